@@ -1,0 +1,44 @@
+"""The `kvpush` command line: one entry point, one subcommand per tool.
+
+Each tool module exposes `register(subparsers)` which adds its parser and sets `func`
+(a callable taking the parsed namespace and returning an exit code). Tool modules are
+imported here, but keep their heavy imports (torch, vLLM, NIXL) inside functions so that
+`kvpush --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+TOOLS = (
+    "kvpush.testbed.model",
+    "kvpush.testbed.up",
+    "kvpush.proxy.cli",
+    "kvpush.plan.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpush",
+        description="KV-cache handoff tools for prefill/decode disaggregated vLLM serving.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in TOOLS:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

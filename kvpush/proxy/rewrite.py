@@ -1,0 +1,166 @@
+"""Pure request rewriting for the P/D proxy: no I/O, easy to unit-test.
+
+Pull: the prefill leg runs the prompt with max_tokens=1 and returns `kv_transfer_params`
+(prefill's coordinates and block ids); the decode leg carries those back to the engine.
+Push: the decode instance is chosen up front; both legs are sent at once with the same
+request id, and decode is told where prefill lives (engine id, side-channel host/port, TP).
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+MODES = ("push", "pull")
+# Fields that only make sense for the client-facing leg and must not reach prefill.
+_PREFILL_DROPPED = ("stream_options", "logprobs", "top_logprobs", "n", "best_of", "min_tokens")
+
+
+class RequestError(ValueError):
+    """The client's request cannot be served; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """One vLLM server: its HTTP URL and, for prefill in push mode, its KV coordinates."""
+
+    url: str
+    engine_id: str = ""
+    kv_host: str = ""
+    kv_port: int = 0
+    tp_size: int = 1
+
+    @property
+    def has_kv_coordinates(self) -> bool:
+        return bool(self.engine_id and self.kv_host and self.kv_port)
+
+
+def parse_backend(spec: str) -> Backend:
+    """Parse `URL[,engine=ID][,kv=HOST:PORT][,tp=N]` as given on the command line."""
+    url, *options = [part.strip() for part in spec.split(",")]
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"backend {spec!r}: expected a URL like http://127.0.0.1:8100")
+    fields: dict[str, Any] = {"url": url.rstrip("/")}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise ValueError(f"backend {spec!r}: option {option!r} is not KEY=VALUE")
+        if key == "engine":
+            fields["engine_id"] = value
+        elif key == "kv":
+            host, colon, port = value.rpartition(":")
+            if not colon or not port.isdigit():
+                raise ValueError(f"backend {spec!r}: kv={value!r} must be HOST:PORT")
+            fields["kv_host"], fields["kv_port"] = host, int(port)
+        elif key == "tp":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"backend {spec!r}: tp={value!r} must be a positive integer")
+            fields["tp_size"] = int(value)
+        else:
+            raise ValueError(f"backend {spec!r}: unknown option {key!r} (use engine, kv, tp)")
+    return Backend(**fields)
+
+
+def format_backend(backend: Backend) -> str:
+    """Inverse of `parse_backend`."""
+    if not backend.has_kv_coordinates:
+        return backend.url
+    return (
+        f"{backend.url},engine={backend.engine_id},"
+        f"kv={backend.kv_host}:{backend.kv_port},tp={backend.tp_size}"
+    )
+
+
+def new_request_id(client_id: str | None = None) -> str:
+    """The id both legs carry as X-Request-Id; a client's own id is kept as a prefix."""
+    suffix = uuid.uuid4().hex
+    if client_id and len(client_id) <= 128 and client_id.isprintable():
+        return f"{client_id}-{suffix[:12]}"
+    return suffix
+
+
+def validate_body(body: Any) -> dict[str, Any]:
+    """Check the parts of a completion request that the proxy itself relies on."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    if "kv_transfer_params" in body:
+        raise RequestError("kv_transfer_params is set by the proxy; remove it from the request")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise RequestError(f"{key} must be a positive integer")
+    if body.get("n", 1) != 1 or body.get("best_of", 1) not in (None, 1):
+        raise RequestError("n and best_of must be 1 in P/D serving (one KV handoff per request)")
+    return body
+
+
+def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg: same prompt and sampling, one token, no streaming."""
+    out = {k: copy.deepcopy(v) for k, v in body.items() if k not in _PREFILL_DROPPED}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """The decode leg: the client's request as sent, plus where its KV comes from."""
+    out = copy.deepcopy(body)
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+def pull_prefill_params() -> dict[str, Any]:
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+def push_prefill_params(transfer_id: str) -> dict[str, Any]:
+    params = pull_prefill_params()
+    params["transfer_id"] = transfer_id
+    return params
+
+
+def push_decode_params(prefill: Backend, transfer_id: str) -> dict[str, Any]:
+    if not prefill.has_kv_coordinates:
+        raise ValueError(
+            f"prefill backend {prefill.url} has no KV coordinates; push mode needs "
+            "--prefill URL,engine=ID,kv=HOST:PORT[,tp=N]"
+        )
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": prefill.engine_id,
+        "remote_host": prefill.kv_host,
+        "remote_port": prefill.kv_port,
+        "remote_request_id": transfer_id,
+        "remote_block_ids": [],
+        "tp_size": prefill.tp_size,
+        "pp_size": 1,
+        "transfer_id": transfer_id,
+    }
+
+
+def pull_decode_params(prefill_response: Any, prefill: Backend) -> dict[str, Any]:
+    """Take the coordinates prefill returned; refuse a response that has none."""
+    params = None
+    if isinstance(prefill_response, dict):
+        params = prefill_response.get("kv_transfer_params")
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        raise ValueError(
+            f"prefill backend {prefill.url} returned no kv_transfer_params; is it started "
+            "with a KV connector in the producer role (--kv-transfer-config)?"
+        )
+    return params

@@ -1,0 +1,107 @@
+"""A fake vLLM backend speaking just enough of the OpenAI API to test and benchmark the proxy.
+
+It answers instantly (or after `delay`), records every request it got, and can be told to
+fail: return an HTTP error, or hang until the client gives up. Not a model: the text it
+returns is fixed, so what a test checks is the proxy's plumbing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass(slots=True)
+class StubBehaviour:
+    status: int = 200
+    hang: bool = False
+    delay: float = 0.0
+    tokens: tuple[str, ...] = ("Hello", " from", " stub")
+
+
+@dataclass(slots=True)
+class StubBackend:
+    name: str
+    behaviour: StubBehaviour = field(default_factory=StubBehaviour)
+    received: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
+    cancelled: int = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.behaviour.status == 200 else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(({k.lower(): v for k, v in request.headers.items()}, body))
+        b = self.behaviour
+        try:
+            if b.hang:
+                await asyncio.sleep(3600)
+            if b.delay:
+                await asyncio.sleep(b.delay)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if b.status != 200:
+            return web.json_response(
+                {"error": {"message": f"{self.name} was told to fail"}}, status=b.status
+            )
+        params = body.get("kv_transfer_params") or {}
+        usage = {"prompt_tokens": 3, "completion_tokens": len(b.tokens), "total_tokens": 6}
+        if params.get("do_remote_decode"):
+            answer = {
+                "id": "p",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": b.tokens[0], "finish_reason": "length"}],
+                "usage": usage,
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": self.name,
+                    "remote_block_ids": [0, 1],
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 1,
+                },
+            }
+            return web.json_response(answer)
+        if not body.get("stream"):
+            return web.json_response(
+                {
+                    "id": "d",
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": "".join(b.tokens), "finish_reason": "length"}],
+                    "usage": usage,
+                }
+            )
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        for token in b.tokens:
+            chunk = {"id": "d", "choices": [{"index": 0, "text": token, "finish_reason": None}]}
+            await stream.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await stream.write(b"data: [DONE]\n\n")
+        await stream.write_eof()
+        return stream
+
+
+async def serve_stub(stub: StubBackend, port: int = 0) -> tuple[web.AppRunner, str]:
+    """Start `stub` on 127.0.0.1 (a free port when 0); returns the runner and its URL."""
+    runner = web.AppRunner(stub.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{bound}"

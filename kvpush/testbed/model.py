@@ -1,0 +1,245 @@
+"""`kvpush model tiny DIR`: build a small random-weight model, fully offline.
+
+The model is a Qwen2-architecture decoder with random weights and a byte-level BPE
+tokenizer trained locally on a synthetic corpus. Its outputs are gibberish but
+deterministic at temperature 0, which is what equality tests need. The shape flags let a
+benchmark choose how many KV bytes each token carries:
+    kv_bytes_per_token = layers * 2 (K and V) * kv_heads * head_dim * dtype_bytes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# Words that make prompts such as "Tell me about the weather" tokenize into few tokens.
+_COMMON_WORDS = """
+the of and to a in is it you that he was for on are with as I his they be at one have
+this from or had by hot word but what some we can out other were all there when up use
+your how said an each she which do their time if will way about many then them write
+would like so these her long make thing see him two has look more day could go come did
+number sound no most people my over know water than call first who may down side been
+now find any new work part take get place made live where after back little only round
+man year came show every good me give our under name very through just form sentence
+great think say help low line differ turn cause much mean before move right boy old too
+same tell does set three want air well also play small end put home read hand port large
+spell add even land here must big high such follow act why ask men change went light
+kind off need house picture try us again animal point mother world near build self earth
+father head stand own page should country found answer school grow study still learn
+plant cover food sun four between state keep eye never last let thought city tree cross
+farm hard start might story saw far sea draw left late run while press close night real
+life few north open seem together next white children begin got walk example ease paper
+group always music those both mark often letter until mile river car feet care second
+book carry took science eat room friend began idea fish mountain stop once base hear
+horse cut sure watch color face wood main enough plain girl usual young ready above ever
+red list though feel talk bird soon body dog family direct pose leave song measure door
+product black short numeral class wind question happen complete ship area half rock
+order fire south problem piece told knew pass since top whole king space heard best hour
+better true during hundred five remember step early hold west ground interest reach fast
+verb sing listen six table travel less morning ten simple several vowel toward war lay
+against pattern slow center love person money serve appear road map rain rule govern
+pull cold notice voice unit power town fine certain fly fall lead cry dark machine note
+wait plan figure star box noun field rest correct able pound done beauty drive stood
+contain front teach week final gave green oh quick develop ocean warm free minute strong
+special mind behind clear tail produce fact street inch multiply nothing course stay
+wheel full force blue object decide surface deep moon island foot system busy test
+record boat common gold possible plane stead dry wonder laugh thousand ago ran check
+game shape equate miss brought heat snow tire bring yes distant fill east paint language
+among hello weather model cache token prefill decode transfer push pull request server
+block memory
+""".split()  # noqa: SIM905 - one word per line would be unreadable
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    vocab_size: int = 1024
+    max_positions: int = 32768
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "heads", "kv_heads", "head_dim", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})"
+            )
+        if self.vocab_size < 300:
+            raise ValueError("--vocab-size must be at least 300 (256 bytes + merges + specials)")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+def synthetic_corpus(seed: int, lines: int = 4000) -> list[str]:
+    """Deterministic training text: common words plus pseudo-words from a seeded RNG."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"]
+    pseudo = ["".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(600)]
+    vocabulary = list(_COMMON_WORDS) * 3 + pseudo
+    text = []
+    for _ in range(lines):
+        words = rng.choices(vocabulary, k=rng.randint(4, 16))
+        text.append(" ".join(words).capitalize() + rng.choice(".?!,;:") + f" {rng.randint(0, 999)}")
+    return text
+
+
+def build_tokenizer(spec: TinyModelSpec, out: Path) -> tuple[int, int]:
+    """Train and save the tokenizer; returns (vocab size, end-of-text token id)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(synthetic_corpus(spec.seed), trainer=trainer)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": spec.max_positions,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, indent=2)
+    )
+    eos = tokenizer.token_to_id(SPECIAL_TOKENS[0])
+    assert eos is not None, "special tokens are added by the trainer"
+    return int(tokenizer.get_vocab_size()), int(eos)
+
+
+def build_tiny_model(out: Path, spec: TinyModelSpec) -> dict[str, Any]:
+    """Write config, random weights and tokenizer to `out`; returns a summary."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, eos = build_tokenizer(spec, out)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        dtype=spec.dtype,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).to(  # type: ignore[no-untyped-call]
+        getattr(torch, spec.dtype)
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": eos, "eos_token_id": eos, "do_sample": False}, indent=2)
+    )
+    summary = {
+        "path": str(out),
+        **asdict(spec),
+        "hidden_size": spec.hidden_size,
+        "vocab": vocab,
+        "kv_bytes_per_token": spec.kv_bytes_per_token,
+    }
+    (out / "kvpush-model.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def ensure_tiny_model(out: Path, spec: TinyModelSpec) -> Path:
+    """Build the model unless `out` already holds one with the same spec."""
+    marker = out / "kvpush-model.json"
+    if marker.exists():
+        built = json.loads(marker.read_text())
+        if all(built.get(k) == v for k, v in asdict(spec).items()):
+            return out
+    build_tiny_model(out, spec)
+    return out
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "model",
+        help="build models for local testing",
+        description="Build models for local testing, offline.",
+    )
+    kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
+    tiny = kinds.add_parser(
+        "tiny",
+        help="a small random-weight Qwen2 model with a locally trained tokenizer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tiny.add_argument("dir", type=Path, help="output directory (created if missing)")
+    defaults = TinyModelSpec()
+    tiny.add_argument("--layers", type=int, default=defaults.layers)
+    tiny.add_argument("--heads", type=int, default=defaults.heads, help="attention heads")
+    tiny.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
+    tiny.add_argument("--head-dim", type=int, default=defaults.head_dim)
+    tiny.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
+    tiny.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    tiny.add_argument("--dtype", default=defaults.dtype, choices=sorted(DTYPE_BYTES))
+    tiny.add_argument("--seed", type=int, default=defaults.seed)
+    tiny.set_defaults(func=_run_tiny)
+
+
+def _run_tiny(args: argparse.Namespace) -> int:
+    try:
+        spec = TinyModelSpec(
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            intermediate_size=args.intermediate_size,
+            vocab_size=args.vocab_size,
+            dtype=args.dtype,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        print(f"kvpush model tiny: {exc}")
+        return 2
+    summary = build_tiny_model(args.dir, spec)
+    print(
+        f"built {summary['path']}: {spec.layers} layers, {spec.kv_heads} KV heads x "
+        f"{spec.head_dim} dims, {spec.dtype}, vocab {summary['vocab']}, "
+        f"{spec.kv_bytes_per_token} KV bytes/token"
+    )
+    return 0

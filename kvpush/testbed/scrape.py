@@ -1,0 +1,36 @@
+"""Read Prometheus text from a server's /metrics: enough parsing for tests and the benchmark."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+Sample = tuple[str, tuple[tuple[str, str], ...]]
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse(text: str) -> dict[Sample, float]:
+    samples: dict[Sample, float] = {}
+    for line in text.splitlines():
+        match = _LINE.match(line)
+        if not match or line.startswith("#"):
+            continue
+        name, _, labels, value = match.groups()
+        pairs = tuple(sorted(_LABEL.findall(labels or "")))
+        try:
+            samples[(name, pairs)] = float(value)
+        except ValueError:
+            continue
+    return samples
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[Sample, float]:
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
+        return parse(resp.read().decode())
+
+
+def total(samples: dict[Sample, float], name: str, **labels: str) -> float:
+    """Sum of every sample called `name` whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(v for (n, pairs), v in samples.items() if n == name and wanted <= set(pairs))

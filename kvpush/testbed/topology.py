@@ -1,0 +1,369 @@
+"""Start and stop a local P/D topology: N prefill and M decode vLLM servers (+ proxy).
+
+Used by `kvpush up`, the benchmark and the end-to-end tests, so all three run the exact
+same set-up. Every server runs in its own process session, so stopping it kills the whole
+tree vLLM spawned (API server, engine core, workers) and frees its ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpush.proxy.rewrite import Backend
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSetup:
+    """How one named setup configures prefill and decode servers and the proxy."""
+
+    name: str
+    proxy_mode: str
+    connector: str
+    module_path: str | None = None
+    prefill_role: str = "kv_both"
+    decode_role: str = "kv_both"
+    extra_config: tuple[tuple[str, Any], ...] = ()
+
+    def transfer_config(self, role: str, engine_id: str) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "kv_connector": self.connector,
+            "kv_role": self.prefill_role if role == "prefill" else self.decode_role,
+            "kv_buffer_device": "cpu",
+            "engine_id": engine_id,
+        }
+        if self.module_path:
+            config["kv_connector_module_path"] = self.module_path
+        if self.extra_config:
+            config["kv_connector_extra_config"] = dict(self.extra_config)
+        return config
+
+
+SETUPS: dict[str, ConnectorSetup] = {
+    s.name: s
+    for s in (
+        ConnectorSetup("vllm-pull", "pull", "NixlConnector"),
+        ConnectorSetup(
+            "vllm-push",
+            "push",
+            "NixlPushConnector",
+            prefill_role="kv_producer",
+            decode_role="kv_consumer",
+        ),
+        ConnectorSetup(
+            "kvpush-push",
+            "push",
+            "KvpushConnector",
+            module_path="kvpush.vllm",
+            extra_config=(("mode", "push"),),
+        ),
+        ConnectorSetup(
+            "kvpush-pull",
+            "pull",
+            "KvpushConnector",
+            module_path="kvpush.vllm",
+            extra_config=(("mode", "pull"),),
+        ),
+    )
+}
+
+
+def resolve_setup(name: str) -> ConnectorSetup:
+    if name not in SETUPS:
+        raise ValueError(f"unknown connector setup {name!r}; choose from {', '.join(SETUPS)}")
+    setup = SETUPS[name]
+    if setup.module_path and importlib.util.find_spec(setup.module_path) is None:
+        raise ValueError(
+            f"connector setup {name!r} needs module {setup.module_path}, which is not "
+            "installed in this environment"
+        )
+    return setup
+
+
+def assign_cores(n_prefill: int, n_decode: int, cores: Sequence[int]) -> list[list[int]]:
+    """CPU cores for each server, prefill servers first.
+
+    With enough cores every server gets its own share; otherwise prefill servers share the
+    first half and decode servers the second, so the two phases never fight each other.
+    """
+    cores = sorted(cores)
+    total = n_prefill + n_decode
+    if not cores or total == 0:
+        raise ValueError("need at least one core and one server")
+    if len(cores) >= total:
+        share = len(cores) // total
+        return [cores[i * share : (i + 1) * share] for i in range(total)]
+    if len(cores) == 1 or n_prefill == 0 or n_decode == 0:
+        return [cores] * total
+    half = max(1, len(cores) * n_prefill // total)
+    return [cores[:half]] * n_prefill + [cores[half:]] * n_decode
+
+
+def format_cores(cores: Sequence[int]) -> str:
+    """`[0, 1, 2, 5]` -> `"0-2,5"`, the form VLLM_CPU_OMP_THREADS_BIND reads."""
+    runs: list[str] = []
+    start = prev = cores[0]
+    for core in [*cores[1:], None]:
+        if core is not None and core == prev + 1:
+            prev = core
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if core is not None:
+            start = prev = core
+    return ",".join(runs)
+
+
+@dataclass(slots=True)
+class ServerSpec:
+    name: str
+    role: str  # "prefill", "decode" or "single"
+    port: int
+    kv_port: int
+    engine_id: str
+    cores: list[int]
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def backend(self) -> Backend:
+        if self.role == "prefill":
+            return Backend(self.url, self.engine_id, "127.0.0.1", self.kv_port, 1)
+        return Backend(self.url)
+
+
+@dataclass(slots=True)
+class TopologyConfig:
+    model: Path
+    setup: str | None  # None: one plain vLLM server, no KV connector (the reference)
+    n_prefill: int = 1
+    n_decode: int = 1
+    port: int = 8000
+    kv_port: int = 5600
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    eager: bool = False
+    extra_vllm_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    workdir: Path = Path(".kvpush")
+
+    def __post_init__(self) -> None:
+        if not (self.model / "config.json").exists():
+            raise ValueError(
+                f"{self.model} holds no model (no config.json); build one with "
+                f"`kvpush model tiny {self.model}`"
+            )
+        if self.setup is not None:
+            resolve_setup(self.setup)
+            if self.n_prefill < 1 or self.n_decode < 1:
+                raise ValueError("--prefill and --decode must be at least 1")
+        if self.kv_cache_gib <= 0 or self.max_num_seqs < 1:
+            raise ValueError("--kv-cache-gib and --max-num-seqs must be positive")
+
+
+def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> list[ServerSpec]:
+    """The servers a topology runs, with ports, engine ids, cores, argv and env."""
+    available = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    logs = config.workdir / "logs"
+    if config.setup is None:
+        roles = [("single", 0)]
+    else:
+        roles = [("prefill", i) for i in range(config.n_prefill)]
+        roles += [("decode", i) for i in range(config.n_decode)]
+    n_pre = sum(1 for r, _ in roles if r == "prefill")
+    shares = assign_cores(n_pre, len(roles) - n_pre, available) if config.setup else [available]
+    specs = []
+    for index, ((role, i), share) in enumerate(zip(roles, shares, strict=True)):
+        offset = {"prefill": 100, "decode": 200, "single": 300}[role]
+        name = f"{role}-{i}"
+        port = config.port + offset + i
+        kv_port = config.kv_port + index
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(config.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            str(config.max_num_seqs),
+            "--disable-uvicorn-access-log",
+        ]
+        if config.max_model_len:
+            argv += ["--max-model-len", str(config.max_model_len)]
+        if config.eager:
+            argv.append("--enforce-eager")
+        if role == "decode":
+            argv.append("--no-enable-prefix-caching")
+        if config.setup is not None:
+            transfer = resolve_setup(config.setup).transfer_config(role, name)
+            argv += ["--kv-transfer-config", json.dumps(transfer)]
+        argv += config.extra_vllm_args
+        env = {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
+            "VLLM_CPU_OMP_THREADS_BIND": format_cores(share),
+            "VLLM_CACHE_ROOT": str((config.workdir / "vllm-cache").resolve()),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
+            "PYTHONUNBUFFERED": "1",
+            **config.extra_env,
+        }
+        specs.append(
+            ServerSpec(
+                name, role, port, kv_port, name, list(share), argv, env, logs / f"{name}.log"
+            )
+        )
+    return specs
+
+
+class StartupError(RuntimeError):
+    """A server died or did not become healthy; the message carries its log tail."""
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(f"    | {line}" for line in text[-lines:])
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class Topology:
+    """The running servers of one configuration. Use as a context manager."""
+
+    def __init__(self, config: TopologyConfig, cores: Sequence[int] | None = None) -> None:
+        self.config = config
+        self.specs = build_specs(config, cores)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def prefill(self) -> list[ServerSpec]:
+        return [s for s in self.specs if s.role == "prefill"]
+
+    @property
+    def decode(self) -> list[ServerSpec]:
+        return [s for s in self.specs if s.role == "decode"]
+
+    def __enter__(self) -> Topology:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        busy = [s for s in self.specs if port_in_use(s.port) or port_in_use(s.kv_port)]
+        if busy:
+            raise StartupError(
+                "ports already in use: "
+                + ", ".join(f"{s.name} ({s.port} or {s.kv_port})" for s in busy)
+                + "; stop what holds them or choose another --port / --kv-port"
+            )
+        for spec in self.specs:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(spec.log_path, "wb") as log:
+                log.write(f"$ {shlex.join(spec.argv)}\n".encode())
+                log.flush()
+                self.procs[spec.name] = subprocess.Popen(
+                    spec.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, **spec.env},
+                    start_new_session=True,
+                )
+
+    def wait_healthy(
+        self, timeout: float = 600.0, progress: Callable[[float, list[str]], None] | None = None
+    ) -> float:
+        """Block until every server answers /health; returns the seconds it took."""
+        started = time.monotonic()
+        pending = {s.name: s for s in self.specs}
+        while pending:
+            self.check_alive()
+            for name, spec in list(pending.items()):
+                if http_ok(spec.url + "/health"):
+                    del pending[name]
+            elapsed = time.monotonic() - started
+            if progress:
+                progress(elapsed, sorted(pending))
+            if not pending:
+                break
+            if elapsed > timeout:
+                raise StartupError(
+                    f"not healthy after {timeout:.0f} s: "
+                    + "; ".join(f"{n}\n{log_tail(s.log_path)}" for n, s in pending.items())
+                )
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+    def check_alive(self) -> None:
+        for spec in self.specs:
+            proc = self.procs.get(spec.name)
+            if proc is not None and proc.poll() is not None:
+                raise StartupError(
+                    f"{spec.name} exited with code {proc.returncode}; last lines of "
+                    f"{spec.log_path}:\n{log_tail(spec.log_path)}"
+                )
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop every server's whole process tree; SIGKILL whatever outlives the grace."""
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            # The API server can exit before its engine children: sweep the group.
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        self.procs.clear()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(port_in_use(s.port) for s in self.specs):
+            time.sleep(0.1)
+
+    def proxy_backends(self) -> tuple[list[Backend], list[Backend]]:
+        return [s.backend() for s in self.prefill], [s.backend() for s in self.decode]
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)

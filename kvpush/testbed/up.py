@@ -1,0 +1,197 @@
+"""`kvpush up`: a whole local P/D deployment in the foreground, stopped by Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpush.testbed.topology import SETUPS, StartupError, Topology, TopologyConfig
+
+EPILOG = """\
+setups:
+  vllm-pull    vLLM's NixlConnector (decode READs prefill's KV after prefill)
+  vllm-push    vLLM's NixlPushConnector (decode registers first, prefill WRITEs)
+  kvpush-push  kvpush's connector in push mode
+  kvpush-pull  kvpush's connector in pull mode
+
+ports: the proxy listens on --port; prefill i on PORT+100+i, decode j on PORT+200+j;
+NIXL side channels on KV_PORT, KV_PORT+1, ...; logs go to WORKDIR/logs/.
+
+example:
+  kvpush model tiny models/tiny && kvpush up --connector vllm-push --model models/tiny
+  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "models/tiny", "prompt": "Hello", "max_tokens": 16}'
+"""
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="start a local P/D deployment (prefill + decode vLLM servers + proxy)",
+        description="Start N prefill and M decode vLLM servers and the kvpush proxy on "
+        "127.0.0.1, wait until all are healthy, and keep them running until Ctrl-C.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--connector", choices=list(SETUPS), required=True)
+    parser.add_argument("--model", type=Path, required=True, help="model directory")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill servers (default 1)")
+    parser.add_argument("--decode", type=int, default=1, help="decode servers (default 1)")
+    parser.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    parser.add_argument("--kv-port", type=int, default=5600, help="first NIXL side-channel port")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per server")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--eager", action="store_true", help="--enforce-eager: start faster, run slower"
+    )
+    parser.add_argument(
+        "--vllm-args", default="", help="extra arguments for every vLLM server (one string)"
+    )
+    parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="requests sent through the proxy before 'ready' is printed (default 1; 0: none)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = TopologyConfig(
+            model=args.model,
+            setup=args.connector,
+            n_prefill=args.prefill,
+            n_decode=args.decode,
+            port=args.port,
+            kv_port=args.kv_port,
+            kv_cache_gib=args.kv_cache_gib,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            eager=args.eager,
+            extra_vllm_args=shlex.split(args.vllm_args),
+            workdir=args.workdir,
+        )
+    except ValueError as exc:
+        print(f"kvpush up: {exc}", file=sys.stderr)
+        return 2
+    topology = Topology(config)
+    stop_requested = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        _print_plan(topology)
+        topology.start()
+        took = topology.wait_healthy(args.startup_timeout, _progress)
+        print(f"\nall {len(topology.specs)} servers healthy after {took:.0f} s", flush=True)
+        return asyncio.run(_serve(topology, args))
+    except StartupError as exc:
+        print(f"\nkvpush up: {exc}\nstopping everything that was started.", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping (signal)" if stop_requested else "\nstopping (Ctrl-C)", flush=True)
+        return 0
+    finally:
+        topology.stop()
+        print("all servers stopped", flush=True)
+
+
+def _print_plan(topology: Topology) -> None:
+    config = topology.config
+    print(f"kvpush up: {config.setup}, model {config.model}", flush=True)
+    for spec in topology.specs:
+        print(
+            f"  {spec.name:<10} {spec.url:<24} engine {spec.engine_id:<10} "
+            f"kv 127.0.0.1:{spec.kv_port:<6} cores {spec.env['VLLM_CPU_OMP_THREADS_BIND']:<5} "
+            f"log {spec.log_path}",
+            flush=True,
+        )
+
+
+_last_progress = [0.0]
+
+
+def _progress(elapsed: float, pending: list[str]) -> None:
+    if pending and elapsed - _last_progress[0] < 5.0:
+        return
+    _last_progress[0] = elapsed
+    if pending:
+        print(f"  {elapsed:4.0f} s  waiting for /health: {', '.join(pending)}", flush=True)
+
+
+async def warm_up(url: str, model: str, attempts: int = 3, timeout: float = 30.0) -> str | None:
+    """One short completion through the proxy, retried; returns the last error or None.
+
+    The first request of a pair opens its NIXL connections; under CPU load vLLM's own
+    handshakes can time out once (they have a fixed 5 s limit), so a retry is expected.
+    """
+    import aiohttp
+
+    body = {"model": model, "prompt": "warm up", "max_tokens": 2, "temperature": 0}
+    error: str | None = None
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        for _ in range(attempts):
+            try:
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    if resp.status == 200:
+                        return None
+                    error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                error = f"no answer within {timeout:g} s ({type(exc).__name__})"
+    return error
+
+
+async def _serve(topology: Topology, args: argparse.Namespace) -> int:
+    from kvpush.proxy.server import PROXY_KEY, ProxyConfig, start_proxy
+
+    prefill, decode = topology.proxy_backends()
+    mode = SETUPS[topology.config.setup or ""].proxy_mode
+    config = ProxyConfig(
+        mode=mode, prefill=prefill, decode=decode, request_timeout=args.request_timeout
+    )
+    try:
+        runner = await start_proxy(config, "127.0.0.1", args.port)
+    except OSError as exc:
+        raise StartupError(f"proxy cannot listen on port {args.port}: {exc.strerror}") from None
+    proxy = runner.app[PROXY_KEY]
+    url = f"http://127.0.0.1:{args.port}"
+    for i in range(args.warmup):
+        error = await warm_up(url, str(topology.config.model))
+        print(f"  warm-up {i + 1}/{args.warmup}: {error or 'ok'}", flush=True)
+    print(f"proxy ({mode}) ready: {url}", flush=True)
+    print(
+        f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{topology.config.model}", "prompt": "Hello", "max_tokens": 16}}\'',
+        flush=True,
+    )
+    print("Ctrl-C stops everything.", flush=True)
+    last = ""
+    last_print = time.monotonic()
+    try:
+        while True:
+            await asyncio.sleep(1.0)
+            topology.check_alive()
+            line = proxy.status_line()
+            if line != last or time.monotonic() - last_print > 60:
+                print(f"  [{time.strftime('%H:%M:%S')}] {line}", flush=True)
+                last, last_print = line, time.monotonic()
+    except StartupError as exc:
+        print(f"kvpush up: a server died: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await runner.cleanup()

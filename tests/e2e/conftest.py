@@ -1,0 +1,195 @@
+"""Real vLLM servers for end-to-end tests: built once per session, shared across tests.
+
+Start-ups are the slow part (~30-60 s per server on 2 cores), so every server set is
+started once and all checks that can share it do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
+from kvpush.testbed.topology import Topology, TopologyConfig, port_in_use
+
+BASE_PORT = int(os.environ.get("KVPUSH_TEST_PORT", "18000"))
+KV_PORT = int(os.environ.get("KVPUSH_TEST_KV_PORT", "15600"))
+PROMPTS = (
+    "Hello, tell me about the weather in the city today",
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the house "
+    "near the river, and the children play music in the school garden until night",
+    " ".join(["water", "light", "mountain", "story"] * 40),
+)
+CHAT = [{"role": "user", "content": "Tell me a story about a fish and a king"}]
+MAX_TOKENS = 16
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def post_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> str:
+    """Send a streaming request; return the concatenated text of its chunks."""
+    request = urllib.request.Request(
+        url,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    text = []
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+def completion(model: Path, prompt: str) -> dict[str, Any]:
+    return {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+def chat(model: Path) -> dict[str, Any]:
+    return {"model": str(model), "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec())
+
+
+@dataclass(frozen=True)
+class Reference:
+    completions: dict[str, str]
+    chat: str
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """What one plain vLLM server (no disaggregation, no connector) answers."""
+    config = TopologyConfig(
+        model=tiny_model,
+        setup=None,
+        port=BASE_PORT,
+        kv_port=KV_PORT,
+        eager=True,
+        workdir=tmp_path_factory.mktemp("reference"),
+    )
+    with Topology(config) as single:
+        single.start()
+        single.wait_healthy(timeout=300)
+        url = single.specs[0].url
+        texts = {
+            p: post(url + "/v1/completions", completion(tiny_model, p))["choices"][0]["text"]
+            for p in PROMPTS
+        }
+        chat_text = post(url + "/v1/chat/completions", chat(tiny_model))
+        return Reference(texts, chat_text["choices"][0]["message"]["content"])
+
+
+@dataclass
+class Deployment:
+    """A `kvpush up` process and where to reach its parts."""
+
+    setup: str
+    proc: subprocess.Popen[str]
+    proxy: str
+    prefill: str
+    decode: str
+    ports: tuple[int, ...]
+    output: list[str]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        rest = self.proc.stdout.read() if self.proc.stdout else ""
+        self.output.extend(rest.splitlines())
+        return self.proc.returncode
+
+
+def kvpush_up(setup: str, model: Path, workdir: Path, *extra: str) -> Deployment:
+    """Run `kvpush up` as a user would and wait for its 'ready' line."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpush.cli",
+        "up",
+        "--connector",
+        setup,
+        "--model",
+        str(model),
+        "--port",
+        str(BASE_PORT),
+        "--kv-port",
+        str(KV_PORT),
+        "--eager",
+        "--workdir",
+        str(workdir),
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    deployment = Deployment(
+        setup,
+        proc,
+        f"http://127.0.0.1:{BASE_PORT}",
+        f"http://127.0.0.1:{BASE_PORT + 100}",
+        f"http://127.0.0.1:{BASE_PORT + 200}",
+        (BASE_PORT, BASE_PORT + 100, BASE_PORT + 200, KV_PORT, KV_PORT + 1),
+        [],
+    )
+    deadline = time.monotonic() + 400
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        deployment.output.append(line.rstrip())
+        if "Ctrl-C stops everything" in line:
+            return deployment
+        if time.monotonic() > deadline:
+            break
+    deployment.stop()
+    raise AssertionError(f"kvpush up {setup} did not get ready:\n" + "\n".join(deployment.output))
+
+
+@pytest.fixture(scope="module")
+def deployment_factory(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    started: list[Deployment] = []
+
+    def start(setup: str, *extra: str) -> Deployment:
+        d = kvpush_up(setup, tiny_model, tmp_path_factory.mktemp(setup), *extra)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def ports_free(ports: tuple[int, ...], wait: float = 10.0) -> bool:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if not any(port_in_use(p) for p in ports):
+            return True
+        time.sleep(0.2)
+    return False

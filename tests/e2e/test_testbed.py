@@ -1,0 +1,109 @@
+"""`kvpush up` with vLLM's own connectors: outputs match a single server, KV came by transfer.
+
+Each setup is started once (as a user would, through the CLI) and shared by the checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvpush.testbed import scrape
+from tests.e2e.conftest import (
+    BASE_PORT,
+    KV_PORT,
+    PROMPTS,
+    Deployment,
+    Reference,
+    chat,
+    completion,
+    kvpush_up,
+    ports_free,
+    post,
+    post_stream,
+)
+
+pytestmark = pytest.mark.e2e
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+
+
+@pytest.fixture(scope="module", params=["vllm-pull", "vllm-push"])
+def deployment(
+    request: pytest.FixtureRequest,
+    deployment_factory: Callable[..., Deployment],
+    reference: Reference,
+) -> Deployment:
+    # `reference` first: the single server must be gone before the pair starts.
+    return deployment_factory(request.param)
+
+
+def external_tokens(d: Deployment) -> float:
+    return scrape.total(scrape.scrape(d.decode), EXTERNAL, source="external_kv_transfer")
+
+
+def test_completions_equal_single_server(
+    deployment: Deployment, reference: Reference, tiny_model: Path
+) -> None:
+    for prompt in PROMPTS:
+        answer = post(deployment.proxy + "/v1/completions", completion(tiny_model, prompt))
+        assert answer["choices"][0]["text"] == reference.completions[prompt], prompt
+        assert answer["usage"]["completion_tokens"] > 0
+
+
+def test_streaming_equals_single_server(
+    deployment: Deployment, reference: Reference, tiny_model: Path
+) -> None:
+    prompt = PROMPTS[1]
+    text = post_stream(deployment.proxy + "/v1/completions", completion(tiny_model, prompt))
+    assert text == reference.completions[prompt]
+
+
+def test_chat_equals_single_server(
+    deployment: Deployment, reference: Reference, tiny_model: Path
+) -> None:
+    answer = post(deployment.proxy + "/v1/chat/completions", chat(tiny_model))
+    assert answer["choices"][0]["message"]["content"] == reference.chat
+    assert (
+        post_stream(deployment.proxy + "/v1/chat/completions", chat(tiny_model)) == reference.chat
+    )
+
+
+def test_decode_got_every_prompt_token_by_kv_transfer(
+    deployment: Deployment, tiny_model: Path
+) -> None:
+    before = external_tokens(deployment)
+    answer = post(deployment.proxy + "/v1/completions", completion(tiny_model, PROMPTS[2]))
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert prompt_tokens > 100
+    assert external_tokens(deployment) - before == prompt_tokens
+    proxy_metrics = scrape.scrape(deployment.proxy)
+    assert scrape.total(proxy_metrics, "kvpush_proxy_requests_total", outcome="ok") >= 1
+
+
+def test_sigterm_stops_everything_and_frees_every_port(deployment: Deployment) -> None:
+    assert deployment.stop() == 0, "\n".join(deployment.output[-30:])
+    assert "all servers stopped" in deployment.output
+    assert ports_free(deployment.ports), f"ports still bound: {deployment.ports}"
+
+
+def test_a_server_that_fails_to_start_is_reported_and_the_rest_torn_down(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    port, kv_port = BASE_PORT + 10, KV_PORT + 10  # clear of the shared deployments
+    with pytest.raises(AssertionError) as failure:
+        kvpush_up(
+            "vllm-pull",
+            tiny_model,
+            tmp_path,
+            "--port",
+            str(port),
+            "--kv-port",
+            str(kv_port),
+            "--vllm-args=--no-such-vllm-flag",
+        )
+    message = str(failure.value)
+    assert "exited with code" in message and "no-such-vllm-flag" in message
+    assert "all servers stopped" in message
+    assert ports_free((port, port + 100, port + 200, kv_port, kv_port + 1))

@@ -1,0 +1,184 @@
+"""The proxy over real HTTP against stub backends: legs, streaming, errors, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvpush.proxy.rewrite import Backend
+from kvpush.proxy.server import ProxyConfig, start_proxy
+from kvpush.proxy.stub import StubBackend, StubBehaviour, serve_stub
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Rig:
+    url: str
+    prefill: StubBackend
+    decode: StubBackend
+    session: aiohttp.ClientSession
+
+    async def post(self, body: dict[str, Any], path: str = "/v1/completions", **kw: Any) -> Any:
+        return await self.session.post(self.url + path, json=body, **kw)
+
+
+async def make_rig(mode: str, **config: Any) -> AsyncIterator[Rig]:
+    prefill, decode = StubBackend("prefill-0"), StubBackend("decode-0")
+    p_runner, p_url = await serve_stub(prefill)
+    d_runner, d_url = await serve_stub(decode)
+    port = free_port()
+    proxy = await start_proxy(
+        ProxyConfig(
+            mode=mode,
+            prefill=[Backend(p_url, "prefill-0", "127.0.0.1", 5600)],
+            decode=[Backend(config.pop("decode_url", d_url))],
+            **config,
+        ),
+        "127.0.0.1",
+        port,
+    )
+    async with aiohttp.ClientSession() as session:
+        yield Rig(f"http://127.0.0.1:{port}", prefill, decode, session)
+    for runner in (proxy, p_runner, d_runner):
+        await runner.cleanup()
+
+
+@pytest.fixture(params=["pull", "push"])
+async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    async for r in make_rig(request.param):
+        yield r
+
+
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 8, "temperature": 0}
+
+
+async def test_client_gets_decode_answer_and_legs_are_rewritten(rig: Rig) -> None:
+    resp = await rig.post(BODY)
+    assert resp.status == 200
+    assert (await resp.json())["choices"][0]["text"] == "Hello from stub"
+    ((p_headers, p_body),) = rig.prefill.received
+    ((d_headers, d_body),) = rig.decode.received
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert d_body["max_tokens"] == 8
+    assert p_headers["x-request-id"] == d_headers["x-request-id"]
+    assert d_body["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+async def test_streaming_is_relayed_chunk_by_chunk(rig: Rig) -> None:
+    resp = await rig.post({**BODY, "stream": True})
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    events = [line for line in (await resp.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert text == "Hello from stub"
+
+
+async def test_chat_completions_and_models_pass_through(rig: Rig) -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert (await rig.post(chat, "/v1/chat/completions")).status == 200
+    models = await rig.session.get(rig.url + "/v1/models")
+    assert (await models.json())["data"][0]["id"] == "stub"
+
+
+async def test_pull_decode_gets_prefill_coordinates() -> None:
+    async for rig in make_rig("pull"):
+        await rig.post(BODY)
+        params = rig.decode.received[0][1]["kv_transfer_params"]
+        assert params["remote_engine_id"] == "prefill-0" and params["remote_block_ids"] == [0, 1]
+
+
+async def test_push_decode_is_told_where_prefill_lives() -> None:
+    async for rig in make_rig("push"):
+        await rig.post(BODY)
+        params = rig.decode.received[0][1]["kv_transfer_params"]
+        assert (params["remote_engine_id"], params["remote_port"]) == ("prefill-0", 5600)
+        assert (
+            params["transfer_id"] == rig.prefill.received[0][1]["kv_transfer_params"]["transfer_id"]
+        )
+
+
+async def test_prefill_error_names_the_backend(rig: Rig) -> None:
+    rig.prefill.behaviour = StubBehaviour(status=500)
+    resp = await rig.post(BODY)
+    assert resp.status == 502
+    error = (await resp.json())["error"]
+    assert "prefill backend" in error["message"] and error["backend"].startswith("http://127.0.0.1")
+
+
+async def test_push_prefill_failure_cancels_the_waiting_decode_leg() -> None:
+    async for rig in make_rig("push"):
+        rig.prefill.behaviour = StubBehaviour(status=500, delay=0.2)
+        rig.decode.behaviour = StubBehaviour(hang=True)
+        started = time.monotonic()
+        resp = await rig.post(BODY)
+        assert resp.status == 502 and time.monotonic() - started < 5
+        for _ in range(50):
+            if rig.decode.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert rig.decode.cancelled == 1, "decode leg must be closed so vLLM aborts it"
+
+
+async def test_unreachable_decode_is_a_fast_502() -> None:
+    async for rig in make_rig("pull", decode_url=f"http://127.0.0.1:{free_port()}"):
+        resp = await rig.post(BODY)
+        assert resp.status == 502
+        assert "cannot connect" in (await resp.json())["error"]["message"]
+
+
+async def test_a_hanging_backend_becomes_a_504_within_the_timeout() -> None:
+    async for rig in make_rig("pull", request_timeout=0.5):
+        rig.decode.behaviour = StubBehaviour(hang=True)
+        started = time.monotonic()
+        resp = await rig.post(BODY)
+        assert resp.status == 504 and time.monotonic() - started < 3
+        assert "no answer within 0.5 s" in (await resp.json())["error"]["message"]
+
+
+async def test_bad_requests_are_refused_before_any_backend_sees_them() -> None:
+    async for rig in make_rig("pull", max_body_bytes=1024):
+        bad_json = await rig.session.post(rig.url + "/v1/completions", data=b"{not json")
+        assert bad_json.status == 400
+        too_big = await rig.post({**BODY, "prompt": "x" * 4096})
+        assert too_big.status == 413
+        bad_field = await rig.post({**BODY, "max_tokens": -1})
+        assert bad_field.status == 400
+        assert rig.prefill.received == [] and rig.decode.received == []
+
+
+async def test_api_key_is_required_when_configured() -> None:
+    async for rig in make_rig("pull", api_key="s3cret"):
+        assert (await rig.post(BODY)).status == 401
+        ok = await rig.post(BODY, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status == 200
+        assert (await rig.session.get(rig.url + "/health")).status == 200
+
+
+async def test_health_and_metrics_report_backends(rig: Rig) -> None:
+    assert (await rig.session.get(rig.url + "/health")).status == 200
+    await rig.post(BODY)
+    rig.decode.behaviour = StubBehaviour(status=500)
+    await rig.post(BODY)
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert 'outcome="ok"} 1.0' in metrics
+    assert 'outcome="backend_error"} 1.0' in metrics
+    assert "kvpush_proxy_ttft_seconds_count" in metrics
+    assert (await rig.session.get(rig.url + "/health")).status == 503
+
+
+def test_push_config_without_coordinates_is_refused() -> None:
+    with pytest.raises(ValueError, match="engine=ID,kv=HOST:PORT"):
+        ProxyConfig(mode="push", prefill=[Backend("http://h:1")], decode=[Backend("http://h:2")])

@@ -1,0 +1,116 @@
+"""The proxy's request rewriting: what each leg receives in push and pull mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.proxy import rewrite
+from kvpush.proxy.rewrite import Backend, RequestError
+
+PREFILL = Backend("http://127.0.0.1:8100", "prefill-0", "127.0.0.1", 5600, 2)
+
+
+def test_parse_backend_plain_and_with_coordinates() -> None:
+    assert rewrite.parse_backend("http://127.0.0.1:8200/") == Backend("http://127.0.0.1:8200")
+    spec = "http://127.0.0.1:8100,engine=prefill-0,kv=127.0.0.1:5600,tp=2"
+    assert rewrite.parse_backend(spec) == PREFILL
+    assert rewrite.format_backend(PREFILL) == spec
+    assert rewrite.parse_backend(rewrite.format_backend(PREFILL)) == PREFILL
+
+
+@pytest.mark.parametrize(
+    ("spec", "complaint"),
+    [
+        ("127.0.0.1:8100", "expected a URL"),
+        ("http://h:1,engine", "not KEY=VALUE"),
+        ("http://h:1,kv=nohostport", "HOST:PORT"),
+        ("http://h:1,tp=0", "positive integer"),
+        ("http://h:1,color=red", "unknown option"),
+    ],
+)
+def test_parse_backend_rejects_with_a_reason(spec: str, complaint: str) -> None:
+    with pytest.raises(ValueError, match=complaint):
+        rewrite.parse_backend(spec)
+
+
+def test_prefill_leg_is_one_token_non_streaming_and_keeps_sampling() -> None:
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 64,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "seed": 3,
+    }
+    leg = rewrite.prefill_body(body, rewrite.pull_prefill_params())
+    assert leg["max_tokens"] == 1 and leg["stream"] is False
+    assert "stream_options" not in leg
+    assert (leg["temperature"], leg["top_p"], leg["seed"]) == (0.7, 0.9, 3)
+    assert leg["kv_transfer_params"]["do_remote_decode"] is True
+    assert body["max_tokens"] == 64 and body["stream"] is True, "client body must not change"
+
+
+def test_chat_prefill_caps_max_completion_tokens_too() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_completion_tokens": 9,
+    }
+    leg = rewrite.prefill_body(body, rewrite.pull_prefill_params())
+    assert leg["max_completion_tokens"] == 1 and leg["max_tokens"] == 1
+
+
+def test_decode_leg_is_the_client_request_plus_params() -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
+    leg = rewrite.decode_body(body, params)
+    assert leg == {**body, "kv_transfer_params": params}
+    assert "kv_transfer_params" not in body
+
+
+def test_push_decode_params_name_prefill_and_share_the_transfer_id() -> None:
+    params = rewrite.push_decode_params(PREFILL, "tid")
+    assert params["do_remote_prefill"] is True
+    assert (params["remote_engine_id"], params["remote_host"], params["remote_port"]) == (
+        "prefill-0",
+        "127.0.0.1",
+        5600,
+    )
+    assert params["tp_size"] == 2
+    assert params["transfer_id"] == rewrite.push_prefill_params("tid")["transfer_id"] == "tid"
+
+
+def test_push_without_prefill_coordinates_names_the_fix() -> None:
+    with pytest.raises(ValueError, match="engine=ID,kv=HOST:PORT"):
+        rewrite.push_decode_params(Backend("http://127.0.0.1:8100"), "tid")
+
+
+def test_pull_decode_params_come_from_prefill_answer() -> None:
+    params = {"do_remote_prefill": True, "remote_block_ids": [3], "remote_engine_id": "p"}
+    assert rewrite.pull_decode_params({"kv_transfer_params": params}, PREFILL) == params
+    with pytest.raises(ValueError, match="no kv_transfer_params"):
+        rewrite.pull_decode_params({"choices": []}, PREFILL)
+
+
+@pytest.mark.parametrize(
+    ("body", "complaint"),
+    [
+        ([], "JSON object"),
+        ({"prompt": "x", "kv_transfer_params": {}}, "set by the proxy"),
+        ({"prompt": "x", "max_tokens": 0}, "positive integer"),
+        ({"prompt": "x", "max_tokens": "5"}, "positive integer"),
+        ({"prompt": "x", "n": 2}, "n and best_of"),
+    ],
+)
+def test_validate_body_rejects_with_a_reason(body: object, complaint: str) -> None:
+    with pytest.raises(RequestError, match=complaint):
+        rewrite.validate_body(body)
+
+
+def test_request_ids_are_unique_and_keep_a_client_prefix() -> None:
+    a, b = rewrite.new_request_id(), rewrite.new_request_id()
+    assert a != b
+    assert rewrite.new_request_id("client-7").startswith("client-7-")
+    assert "\n" not in rewrite.new_request_id("bad\nid")

@@ -1,0 +1,119 @@
+"""Testbed logic that needs no servers: model building, core assignment, server specs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpush.testbed.model import TinyModelSpec, build_tiny_model, ensure_tiny_model
+from kvpush.testbed.topology import (
+    SETUPS,
+    TopologyConfig,
+    assign_cores,
+    build_specs,
+    format_cores,
+    resolve_setup,
+)
+
+
+def test_tiny_model_is_deterministic_for_a_seed(tmp_path: Path) -> None:
+    spec = TinyModelSpec(layers=1, heads=2, kv_heads=1, head_dim=16, vocab_size=400)
+    a = build_tiny_model(tmp_path / "a", spec)
+    b = build_tiny_model(tmp_path / "b", spec)
+    c = build_tiny_model(
+        tmp_path / "c",
+        TinyModelSpec(layers=1, heads=2, kv_heads=1, head_dim=16, vocab_size=400, seed=1),
+    )
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert (tmp_path / "a/model.safetensors").read_bytes() != (
+        tmp_path / "c/model.safetensors"
+    ).read_bytes()
+    config = json.loads((tmp_path / "a/config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_key_value_heads"]) == (1, 1)
+    assert b["kv_bytes_per_token"] == 1 * 2 * 1 * 16 * 2 == spec.kv_bytes_per_token
+    assert c["seed"] == 1
+
+
+def test_ensure_tiny_model_reuses_a_matching_build(tmp_path: Path) -> None:
+    spec = TinyModelSpec(layers=1, heads=2, kv_heads=1, head_dim=16, vocab_size=400)
+    ensure_tiny_model(tmp_path, spec)
+    stamp = (tmp_path / "model.safetensors").stat().st_mtime_ns
+    ensure_tiny_model(tmp_path, spec)
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize(
+    ("fields", "complaint"),
+    [
+        ({"heads": 3, "kv_heads": 2}, "multiple of --kv-heads"),
+        ({"layers": 0}, "--layers must be at least 1"),
+        ({"dtype": "int8"}, "--dtype must be one of"),
+        ({"vocab_size": 10}, "--vocab-size"),
+    ],
+)
+def test_bad_model_shapes_are_refused(fields: dict[str, object], complaint: str) -> None:
+    with pytest.raises(ValueError, match=complaint):
+        TinyModelSpec(**fields)  # type: ignore[arg-type]
+
+
+def test_cores_are_split_between_phases() -> None:
+    assert assign_cores(1, 1, [0, 1]) == [[0], [1]]
+    assert assign_cores(1, 1, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+    assert assign_cores(2, 2, [0, 1]) == [[0], [0], [1], [1]]
+    assert assign_cores(1, 3, [0, 1]) == [[0], [1], [1], [1]]
+    assert assign_cores(1, 1, [5]) == [[5], [5]]
+    assert format_cores([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def test_specs_wire_ports_engine_ids_and_connector_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    config = TopologyConfig(
+        model=tmp_path,
+        setup="vllm-push",
+        n_prefill=1,
+        n_decode=2,
+        port=9000,
+        kv_port=7000,
+        workdir=tmp_path / "w",
+    )
+    specs = build_specs(config, cores=[0, 1])
+    assert [(s.name, s.port, s.kv_port) for s in specs] == [
+        ("prefill-0", 9100, 7000),
+        ("decode-0", 9200, 7001),
+        ("decode-1", 9201, 7002),
+    ]
+    transfer = json.loads(specs[0].argv[specs[0].argv.index("--kv-transfer-config") + 1])
+    assert transfer == {
+        "kv_connector": "NixlPushConnector",
+        "kv_role": "kv_producer",
+        "kv_buffer_device": "cpu",
+        "engine_id": "prefill-0",
+    }
+    assert "--no-enable-prefix-caching" in specs[1].argv
+    assert "--no-enable-prefix-caching" not in specs[0].argv
+    assert specs[0].env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7000"
+    assert (
+        specs[0].env["VLLM_CPU_OMP_THREADS_BIND"],
+        specs[2].env["VLLM_CPU_OMP_THREADS_BIND"],
+    ) == (
+        "0",
+        "1",
+    )
+    backend = specs[0].backend()
+    assert (backend.engine_id, backend.kv_port) == ("prefill-0", 7000)
+
+
+def test_kvpush_setups_load_our_module_out_of_tree() -> None:
+    transfer = SETUPS["kvpush-push"].transfer_config("decode", "decode-0")
+    assert transfer["kv_connector_module_path"] == "kvpush.vllm"
+    assert transfer["kv_connector_extra_config"] == {"mode": "push"}
+
+
+def test_config_errors_name_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kvpush model tiny"):
+        TopologyConfig(model=tmp_path, setup="vllm-pull")
+    with pytest.raises(ValueError, match="choose from"):
+        resolve_setup("nccl-magic")
