@@ -15,7 +15,7 @@ echo "kvpush setup: installing into $VENV (first run takes a few minutes)"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
   || pip install torch==2.13.0
-pip install -r requirements.lock
+pip install --no-deps -r requirements.lock
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 pip install --no-deps -e .
 "$VENV/bin/python" -c "import vllm, nixl, torch, transformers; assert '+cpu' in torch.__version__, torch.__version__"

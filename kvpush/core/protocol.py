@@ -1,0 +1,436 @@
+"""The wire protocol: every message kvpush instances exchange, and its one codec.
+
+A frame is
+
+    b"KP" | version: u8 | type: u8 | msgpack array of the fields | HMAC-SHA256 (32 bytes)
+
+The high bit of the type byte says whether the HMAC is present; it is present exactly when
+the sender has a shared secret, and covers everything before it. Peers must agree on the
+secret: a frame with a MAC where none is configured is refused like a wrong MAC, so a
+half-configured pair fails at the first message instead of running unauthenticated.
+
+`decode` is the one place where untrusted bytes are checked. It bounds the frame size,
+checks header and MAC before parsing, then checks every field's exact type and range, and
+raises `ProtocolError` (and nothing else) for anything it does not accept.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import hmac
+from collections.abc import Callable
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Literal
+
+import msgpack
+
+from kvpush.core.planning import ORDERS, KVLayout, PlanError, check_mappable
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KP"
+MAC_SIZE = 32
+DEFAULT_MAX_FRAME = 1 << 20
+MAX_BLOCK_IDS = 1_000_000
+MAX_REGIONS = 65_536
+MAX_ID_LEN = 512
+MAX_TEXT_LEN = 4096
+MAX_TP = 4096
+U64_MAX = 2**64 - 1
+I63_MAX = 2**63 - 1
+
+_HEADER_SIZE = 4
+_MAC_FLAG = 0x80
+
+Role = Literal["prefill", "decode"]
+Mode = Literal["push", "pull"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+MODES: tuple[Mode, ...] = ("push", "pull")
+
+
+class ProtocolError(Exception):
+    """A frame that was refused. `kind` is a short code to count as a metric."""
+
+    KINDS = ("too_large", "bad_magic", "bad_version", "bad_type", "bad_mac", "malformed")
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"{kind}: {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
+class _Invalid(Exception):
+    """A field value `decode` refuses; becomes a `ProtocolError` naming the field."""
+
+
+Check = Callable[[object], Any]
+
+
+def _int(lo: int = 0, hi: int = U64_MAX) -> Check:
+    def check(value: object) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _Invalid(f"expected an integer, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            raise _Invalid(f"{value} is outside [{lo}, {hi}]")
+        return value
+
+    return check
+
+
+def _str(max_len: int, choices: tuple[str, ...] = (), empty: bool = False) -> Check:
+    def check(value: object) -> str:
+        if not isinstance(value, str):
+            raise _Invalid(f"expected a string, got {type(value).__name__}")
+        if len(value) > max_len:
+            raise _Invalid(f"string of {len(value)} characters exceeds {max_len}")
+        if not value and not empty:
+            raise _Invalid("must not be empty")
+        if choices and value not in choices:
+            raise _Invalid(f"{value!r} is not one of {choices}")
+        return value
+
+    return check
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(f"expected a boolean, got {type(value).__name__}")
+    return value
+
+
+def _bytes(value: object) -> bytes:
+    if not isinstance(value, bytes):
+        raise _Invalid(f"expected bytes, got {type(value).__name__}")
+    return value
+
+
+def _ints(max_items: int, lo: int = 0, hi: int = U64_MAX) -> Check:
+    item = _int(lo, hi)
+
+    def check(value: object) -> tuple[int, ...]:
+        if not isinstance(value, list):
+            raise _Invalid(f"expected a list, got {type(value).__name__}")
+        if len(value) > max_items:
+            raise _Invalid(f"{len(value)} items exceed {max_items}")
+        return tuple(item(v) for v in value)
+
+    return check
+
+
+def _ranges(value: object) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list) or len(value) > MAX_REGIONS:
+        raise _Invalid(f"expected a list of at most {MAX_REGIONS} [base, length] pairs")
+    out: list[tuple[int, int]] = []
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise _Invalid("expected [base, length] pairs")
+        base, length = _int()(pair[0]), _int(1)(pair[1])
+        if base + length > U64_MAX + 1:
+            raise _Invalid(f"range at {base:#x} of {length} bytes wraps the address space")
+        out.append((base, length))
+    return tuple(out)
+
+
+_LAYOUT_FIELDS: tuple[Check, ...] = (
+    _ints(MAX_REGIONS),  # region_bases
+    _int(1, I63_MAX),  # num_blocks
+    _int(1, 1 << 20),  # block_size
+    _int(1, MAX_TP * 1024),  # num_heads
+    _int(1, 1 << 20),  # head_dim
+    _int(1, 64),  # elem_size
+    _str(3, ORDERS),  # order
+    _int(0, U64_MAX),  # block_stride
+)
+
+
+def _layout(value: object) -> KVLayout:
+    if not isinstance(value, list) or len(value) != len(_LAYOUT_FIELDS):
+        raise _Invalid(f"expected a list of {len(_LAYOUT_FIELDS)} KV layout fields")
+    try:
+        return KVLayout(*(check(v) for check, v in zip(_LAYOUT_FIELDS, value, strict=True)))
+    except PlanError as exc:
+        raise _Invalid(str(exc)) from None
+
+
+def _wire(check: Check) -> dict[str, Check]:
+    return {"check": check}
+
+
+_ID = _wire(_str(MAX_ID_LEN))
+_TEXT = _wire(_str(MAX_TEXT_LEN, empty=True))
+_GENERATION = _wire(_int(0, I63_MAX))
+_TP_RANK = _wire(_int(0, MAX_TP - 1))
+_TP_SIZE = _wire(_int(1, MAX_TP))
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Handshake: what one instance tells a peer about itself on first contact.
+
+    `memory` lists the (base, length) ranges registered with NIXL; every KV region of
+    `layout` must lie inside one of them. Block size is `layout.block_size`.
+    """
+
+    version: int = field(metadata=_wire(_int(0, 255)))
+    engine_id: str = field(metadata=_ID)
+    role: Role = field(metadata=_wire(_str(16, ROLES)))
+    mode: Mode = field(metadata=_wire(_str(16, MODES)))
+    model: str = field(metadata=_wire(_str(1024)))
+    dtype: str = field(metadata=_wire(_str(32)))
+    tp_rank: int = field(metadata=_TP_RANK)
+    tp_size: int = field(metadata=_TP_SIZE)
+    layout: KVLayout = field(metadata=_wire(_layout))
+    agent_name: str = field(metadata=_ID)
+    agent_metadata: bytes = field(metadata=_wire(_bytes))
+    memory: tuple[tuple[int, int], ...] = field(metadata=_wire(_ranges))
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """Decode -> prefill (push): "write transfer `transfer_id` into these blocks of mine".
+
+    `generation` fences retries: decode bumps it each time it (re)allocates blocks for the
+    transfer, and prefill writes only the newest. `deadline_ms` is how long the registration
+    stays valid after it is received.
+    """
+
+    transfer_id: str = field(metadata=_ID)
+    request_id: str = field(metadata=_ID)
+    engine_id: str = field(metadata=_ID)
+    host: str = field(metadata=_wire(_str(255)))
+    port: int = field(metadata=_wire(_int(0, 65535)))
+    tp_rank: int = field(metadata=_TP_RANK)
+    tp_size: int = field(metadata=_TP_SIZE)
+    block_ids: tuple[int, ...] = field(metadata=_wire(_ints(MAX_BLOCK_IDS, 0, 2**32 - 1)))
+    num_tokens: int = field(metadata=_wire(_int(0, I63_MAX)))
+    generation: int = field(metadata=_GENERATION)
+    deadline_ms: int = field(metadata=_wire(_int(0, 2**32 - 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """Prefill -> decode: the NIXL notification of one producer rank's WRITE.
+
+    `tp_rank`/`tp_size` are the producer's. Decode counts one ok completion per producer
+    rank writing into it; ok=False (with `error`) fails the transfer at once.
+    """
+
+    transfer_id: str = field(metadata=_ID)
+    generation: int = field(metadata=_GENERATION)
+    tp_rank: int = field(metadata=_TP_RANK)
+    tp_size: int = field(metadata=_TP_SIZE)
+    ok: bool = field(metadata=_wire(_bool))
+    error: str = field(metadata=_TEXT)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Either direction: generations up to `generation` of the transfer are abandoned."""
+
+    transfer_id: str = field(metadata=_ID)
+    generation: int = field(metadata=_GENERATION)
+    reason: str = field(metadata=_TEXT)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenew:
+    """Decode -> prefill (pull): keep the blocks of this transfer, a READ is coming."""
+
+    transfer_id: str = field(metadata=_ID)
+    generation: int = field(metadata=_GENERATION)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """Decode -> prefill (pull): the READ finished; prefill may free its blocks."""
+
+    transfer_id: str = field(metadata=_ID)
+    generation: int = field(metadata=_GENERATION)
+    ok: bool = field(metadata=_wire(_bool))
+    error: str = field(metadata=_TEXT)
+
+
+Message = Hello | Registration | WriteDone | Cancel | LeaseRenew | ReadDone
+
+_TYPES: dict[int, type[Message]] = {
+    1: Hello,
+    2: Registration,
+    3: WriteDone,
+    4: Cancel,
+    5: LeaseRenew,
+    6: ReadDone,
+}
+_CODES: dict[type[Message], int] = {cls: code for code, cls in _TYPES.items()}
+_FIELDS: dict[type[Message], tuple[Field[Any], ...]] = {cls: fields(cls) for cls in _CODES}
+
+
+def encode(msg: Message, secret: bytes | None = None) -> bytes:
+    """One frame for `msg`, authenticated when `secret` is set."""
+    _check_secret(secret)
+    cls = type(msg)
+    values = [_to_wire(getattr(msg, f.name)) for f in _FIELDS[cls]]
+    payload: bytes = msgpack.packb(values)
+    flags = _MAC_FLAG if secret else 0
+    frame = MAGIC + bytes((PROTOCOL_VERSION, _CODES[cls] | flags)) + payload
+    if secret:
+        frame += hmac.digest(secret, frame, hashlib.sha256)
+    return frame
+
+
+def decode(data: bytes, secret: bytes | None = None, max_size: int = DEFAULT_MAX_FRAME) -> Message:
+    """The message in `data`; raises `ProtocolError` for anything not a valid frame."""
+    _check_secret(secret)
+    if len(data) > max_size:
+        raise ProtocolError(
+            "too_large",
+            f"frame of {len(data)} bytes exceeds the {max_size}-byte limit; "
+            "raise the receiver's max frame size if such messages are expected",
+        )
+    if len(data) < _HEADER_SIZE:
+        raise ProtocolError("malformed", f"frame of {len(data)} bytes is shorter than a header")
+    if data[:2] != MAGIC:
+        raise ProtocolError(
+            "bad_magic",
+            f"not a kvpush frame (starts with {bytes(data[:2])!r}); check that the peer "
+            "address points at a kvpush side channel",
+        )
+    if data[2] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "bad_version",
+            f"peer speaks kvpush protocol v{data[2]}, this instance v{PROTOCOL_VERSION}; "
+            "run the same kvpush version on prefill and decode",
+        )
+    cls = _TYPES.get(data[3] & ~_MAC_FLAG)
+    if cls is None:
+        raise ProtocolError("bad_type", f"unknown message type {data[3] & ~_MAC_FLAG}")
+    body = _authenticated_body(data, bool(data[3] & _MAC_FLAG), secret)
+    try:
+        values = msgpack.unpackb(
+            body[_HEADER_SIZE:],
+            raw=False,
+            max_str_len=4 * MAX_TEXT_LEN,
+            max_bin_len=max_size,
+            max_array_len=MAX_BLOCK_IDS,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types on garbage; all mean "malformed"
+        raise ProtocolError("malformed", f"{cls.__name__}: undecodable payload ({exc})") from None
+    return _build(cls, values)
+
+
+def _check_secret(secret: bytes | None) -> None:
+    if secret is not None and not secret:
+        raise ValueError("the shared secret is empty; configure a non-empty secret or none")
+
+
+def _authenticated_body(data: bytes, signed: bool, secret: bytes | None) -> bytes:
+    if not secret:
+        if signed:
+            raise ProtocolError(
+                "bad_mac",
+                "frame is authenticated but no shared secret is configured here; "
+                "configure the same secret on both sides",
+            )
+        return data
+    if not signed:
+        raise ProtocolError(
+            "bad_mac",
+            "frame is not authenticated but a shared secret is configured here; "
+            "configure the same secret on both sides",
+        )
+    if len(data) < _HEADER_SIZE + MAC_SIZE:
+        raise ProtocolError("bad_mac", "frame is too short to carry its MAC")
+    body, mac = data[:-MAC_SIZE], data[-MAC_SIZE:]
+    if not hmac.compare_digest(mac, hmac.digest(secret, body, hashlib.sha256)):
+        raise ProtocolError(
+            "bad_mac",
+            "MAC mismatch: the peer uses a different shared secret or the frame was altered",
+        )
+    return body
+
+
+def _to_wire(value: object) -> object:
+    if isinstance(value, KVLayout):
+        return [getattr(value, f.name) for f in fields(value)]
+    return value
+
+
+def _build(cls: type[Message], values: object) -> Message:
+    specs = _FIELDS[cls]
+    if not isinstance(values, list) or len(values) != len(specs):
+        raise ProtocolError("malformed", f"{cls.__name__}: expected a list of {len(specs)} fields")
+    checked: list[Any] = []
+    for spec, value in zip(specs, values, strict=True):
+        try:
+            checked.append(spec.metadata["check"](value))
+        except _Invalid as exc:
+            raise ProtocolError("malformed", f"{cls.__name__}.{spec.name}: {exc}") from None
+    msg = cls(*checked)
+    problem = _cross_check(msg)
+    if problem:
+        raise ProtocolError("malformed", f"{cls.__name__}: {problem}")
+    return msg
+
+
+def _cross_check(msg: Message) -> str | None:
+    if isinstance(msg, Hello | Registration | WriteDone) and msg.tp_rank >= msg.tp_size:
+        return f"tp_rank {msg.tp_rank} is not below tp_size {msg.tp_size}"
+    if isinstance(msg, Hello):
+        return _outside_memory(msg.layout, msg.memory)
+    return None
+
+
+def _outside_memory(layout: KVLayout, memory: tuple[tuple[int, int], ...]) -> str | None:
+    ranges = sorted(memory)
+    starts = [base for base, _ in ranges]
+    size = layout.region_bytes
+    for base in layout.region_bases:
+        i = bisect.bisect_right(starts, base) - 1
+        if i < 0 or base + size > ranges[i][0] + ranges[i][1]:
+            return (
+                f"KV region at {base:#x} ({size} bytes) is outside the registered memory; "
+                "register every KV cache tensor with NIXL"
+            )
+    return None
+
+
+def check_compatible(local: Hello, remote: Hello) -> str | None:
+    """Why `local` cannot exchange KV with `remote` (None when it can).
+
+    Block sizes and TP sizes may differ (planning maps them); everything else must match.
+    """
+    peer = f"remote {remote.engine_id}"
+    if local.version != remote.version:
+        return (
+            f"{peer} speaks kvpush protocol v{remote.version}, local v{local.version}: "
+            "run the same kvpush version on both sides"
+        )
+    if local.mode != remote.mode:
+        return (
+            f"{peer} runs in {remote.mode} mode, local in {local.mode} mode: "
+            "configure the same kvpush mode on prefill and decode"
+        )
+    if local.role == remote.role:
+        return (
+            f"{peer} and local are both {local.role} instances: connect a prefill instance "
+            "to a decode instance"
+        )
+    if local.model != remote.model:
+        return (
+            f"{peer} serves model {remote.model!r}, local {local.model!r}: "
+            "serve the same model on both sides"
+        )
+    if local.dtype != remote.dtype:
+        return (
+            f"{peer} uses KV dtype {remote.dtype}, local {local.dtype}: "
+            "use the same KV cache dtype on both sides"
+        )
+    problem = check_mappable(
+        local.layout, remote.layout, local.tp_size, remote.tp_size, "local", peer
+    )
+    return f"KV layouts cannot be mapped: {problem}" if problem else None

@@ -1,0 +1,698 @@
+"""Push-mode rendezvous (prefill side) and arrival tracking (decode side).
+
+Both are pure state machines: inputs are method calls with the current monotonic time
+`now` (seconds), outputs are lists of actions or outcomes for the caller to carry out. No
+thread, socket or clock lives here, so every timeout is testable without sleeping.
+
+`Rendezvous` pairs a decode registration with the prefill result of the same transfer,
+whichever comes second, and then owns the prefill blocks until they are released exactly
+once. The rules it keeps:
+
+- a registration with a newer generation replaces an older one; a generation is written
+  at most once and never after a newer one was seen; a newer registration arriving during
+  a write waits for it and is written next, from the same blocks;
+- every registration that prefill stops serving (deadline, cancel, write failure, local
+  abort, blocks already gone) produces a `NotifyFailure`, so decode fails fast instead of
+  waiting for its own timeout;
+- after a transfer ends, a tombstone remembers its exact transfer ids for a while: late
+  registrations are refused at once (or ignored if older), and blocks of a prefill that
+  decode already gave up on are released as soon as it finishes. Tombstones are never
+  matched by base request id: clients reuse request ids, and a stale tombstone must not
+  fail a new request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from kvpush.core.protocol import MAX_TEXT_LEN, Cancel, Registration, WriteDone
+
+_ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
+
+
+def base_request_id(request_id: str) -> str:
+    """`request_id` without the random suffix one engine added to the client's id.
+
+    vLLM makes request ids unique per engine by appending "-" and 8 random lowercase hex
+    digits (the start of a UUID) to the client's X-Request-Id, so prefill and decode see
+    different ids for one client request: "chat-42-1f0c9ab3" and "chat-42-77d0e2c1" are
+    both "chat-42". Exactly one such suffix is stripped; an id without one is returned
+    unchanged, and so is an id that would become empty.
+    """
+    match = _ENGINE_SUFFIX.search(request_id)
+    if match is None or match.start() == 0:
+        return request_id
+    return request_id[: match.start()]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalBlocks:
+    """A finished prefill's KV, held in these local blocks until released."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartWrite:
+    registration: Registration
+    local: LocalBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseBlocks:
+    local: LocalBlocks
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropRegistration:
+    registration: Registration
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NotifyFailure:
+    """Send `message` (a WriteDone with ok=False) to the decode that sent `registration`."""
+
+    registration: Registration
+    message: WriteDone
+
+
+Action = StartWrite | ReleaseBlocks | DropRegistration | NotifyFailure
+
+
+class _Timed(Protocol):
+    deadline: float
+    alive: bool
+
+
+T = TypeVar("T", bound=_Timed)
+
+
+class _Deadlines(Generic[T]):
+    """Records by due time. A record that ends early stays in the heap with alive=False and
+    is skipped when it surfaces, which keeps removal O(1)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, T]] = []
+        self._seq = itertools.count()
+
+    def add(self, item: T) -> None:
+        heapq.heappush(self._heap, (item.deadline, next(self._seq), item))
+
+    def pop_due(self, now: float) -> list[T]:
+        due: list[T] = []
+        while self._heap and self._heap[0][0] <= now:
+            when, _, item = heapq.heappop(self._heap)
+            if item.alive and item.deadline == when:
+                due.append(item)
+        return due
+
+    def next(self) -> float | None:
+        while self._heap:
+            when, _, item = self._heap[0]
+            if item.alive and item.deadline == when:
+                return when
+            heapq.heappop(self._heap)
+        return None
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """A registration waiting for its prefill, or (with `behind`) for a write to finish."""
+
+    reg: Registration
+    deadline: float
+    behind: _Writing | None = None
+    alive: bool = True
+
+
+@dataclass(eq=False, slots=True)
+class _Finished:
+    """A finished prefill's blocks waiting for a registration, until the lease ends."""
+
+    local: LocalBlocks
+    deadline: float
+    alive: bool = True
+
+
+@dataclass(eq=False, slots=True)
+class _Writing:
+    """A write in flight; the blocks stay held until `write_finished`."""
+
+    local: LocalBlocks
+    reg: Registration
+    newest: int  # registrations up to this generation were handled and are now stale
+    queued: _Waiting | None = None
+    cancelled_up_to: int = -1
+    aborted: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Gone:
+    """A tombstone. Registrations up to `generation` are stale; newer ones are refused
+    when `kv_released`, else (decode gave up before prefill finished) served normally."""
+
+    generation: int
+    kv_released: bool
+    reason: str
+    deadline: float
+    alive: bool = True
+
+
+R = TypeVar("R", _Waiting, _Finished, _Gone)
+
+
+class _Index(Generic[R]):
+    """Records by exact transfer id and by base request id (see `base_request_id`)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, R] = {}
+        self._by_base: dict[str, list[R]] = {}
+        self._keys: dict[R, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[R]:
+        return iter(self._keys)
+
+    def add(self, record: R, ids: Iterable[str], request_ids: Iterable[str]) -> None:
+        keys = (tuple(ids), tuple({base_request_id(r) for r in request_ids}))
+        self._keys[record] = keys
+        for key in keys[0]:
+            self._by_id[key] = record
+        for base in keys[1]:
+            self._by_base.setdefault(base, []).append(record)
+
+    def remove(self, record: R) -> None:
+        record.alive = False
+        ids, bases = self._keys.pop(record)
+        for key in ids:
+            if self._by_id.get(key) is record:
+                del self._by_id[key]
+        for base in bases:
+            others = [r for r in self._by_base[base] if r is not record]
+            if others:
+                self._by_base[base] = others
+            else:
+                del self._by_base[base]
+
+    def ids_of(self, record: R) -> tuple[str, ...]:
+        return self._keys[record][0]
+
+    def exact(self, transfer_id: str) -> R | None:
+        return self._by_id.get(transfer_id)
+
+    def candidates(self, request_id: str) -> list[R]:
+        return self._by_base.get(base_request_id(request_id), [])
+
+
+@dataclass(slots=True)
+class RendezvousStats:
+    """Counters since start (gauges are properties of `Rendezvous`)."""
+
+    registrations: int = 0
+    stale_registrations: int = 0
+    refused_registrations: int = 0
+    expired_registrations: int = 0
+    fallback_matches: int = 0
+    ambiguous_matches: int = 0
+    writes_started: int = 0
+    writes_failed: int = 0
+    expired_leases: int = 0
+    cancels: int = 0
+
+
+class Rendezvous:
+    """Prefill-side pairing of registrations with finished prefills (one per TP rank).
+
+    Matching uses the exact transfer id first; failing that, the base request id, and only
+    when exactly one candidate waits (an ambiguous base id is never guessed; it waits for
+    an exact match or its deadline). `lease_s` bounds how long finished blocks wait for a
+    registration; `tombstone_s` how long an ended transfer is remembered.
+    """
+
+    def __init__(
+        self, tp_rank: int = 0, tp_size: int = 1, lease_s: float = 30.0, tombstone_s: float = 60.0
+    ) -> None:
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.lease_s = lease_s
+        self.tombstone_s = tombstone_s
+        self.stats = RendezvousStats()
+        self._waiting: _Index[_Waiting] = _Index()
+        self._finished: _Index[_Finished] = _Index()
+        self._gone: _Index[_Gone] = _Index()
+        self._writing: dict[str, _Writing] = {}  # by the registration's transfer id
+        self._writing_local: dict[str, _Writing] = {}  # by the prefill's transfer id
+        self._deadlines: _Deadlines[_Waiting | _Finished | _Gone] = _Deadlines()
+
+    @property
+    def waiting_registrations(self) -> int:
+        """Registrations whose prefill has not finished yet."""
+        return len(self._waiting)
+
+    @property
+    def queued_registrations(self) -> int:
+        """Newer registrations waiting for an older generation's write to finish."""
+        return sum(1 for w in self._writing.values() if w.queued is not None)
+
+    @property
+    def waiting_prefills(self) -> int:
+        """Finished prefills whose blocks wait for a registration."""
+        return len(self._finished)
+
+    @property
+    def writes_in_flight(self) -> int:
+        return len(self._writing)
+
+    @property
+    def held_blocks(self) -> int:
+        """Local blocks held for transfers (waiting or being written)."""
+        waiting = sum(len(f.local.block_ids) for f in self._finished)
+        return waiting + sum(len(w.local.block_ids) for w in self._writing.values())
+
+    @property
+    def tombstones(self) -> int:
+        return len(self._gone)
+
+    def next_deadline(self) -> float | None:
+        """When `expire` next has something to do, for the caller's sleep."""
+        return self._deadlines.next()
+
+    def register(self, reg: Registration, now: float) -> list[Action]:
+        self.stats.registrations += 1
+        writing = self._writing.get(reg.transfer_id)
+        if writing is not None:
+            return self._queue_behind(writing, reg, now)
+        waiting = self._waiting.exact(reg.transfer_id)
+        if waiting is not None:
+            if reg.generation <= waiting.reg.generation:
+                return self._stale()
+            self._waiting.remove(waiting)
+            superseded = DropRegistration(waiting.reg, f"superseded by generation {reg.generation}")
+            return [superseded, *self._register_new(reg, now)]
+        gone = self._gone.exact(reg.transfer_id)
+        if gone is not None:
+            return self._register_after(gone, reg, now)
+        return self._register_new(reg, now)
+
+    def prefill_done(
+        self,
+        transfer_id: str,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        now: float,
+    ) -> list[Action]:
+        """The prefill finished and its KV sits in `block_ids` until released."""
+        if transfer_id in self._writing_local or self._finished.exact(transfer_id):
+            raise ValueError(f"prefill of transfer {transfer_id} was reported done twice")
+        local = LocalBlocks(transfer_id, request_id, block_ids, num_tokens)
+        waiting = self._waiting.exact(transfer_id)
+        gone = None if waiting else self._gone.exact(transfer_id)
+        if waiting is None and gone is None:
+            waiting = self._match(self._waiting, request_id)
+        if waiting is not None:
+            self._waiting.remove(waiting)
+            return self._start(local, waiting.reg)
+        if gone is not None:
+            gone.kv_released = True
+            return [ReleaseBlocks(local, gone.reason)]
+        finished = _Finished(local, now + self.lease_s)
+        self._finished.add(finished, [transfer_id], [request_id])
+        self._deadlines.add(finished)
+        return []
+
+    def cancel(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
+        """Decode abandons generations up to `generation` (a `Cancel` message)."""
+        self.stats.cancels += 1
+        why = f"cancelled by decode: {reason}"
+        writing = self._writing.get(transfer_id)
+        if writing is not None:
+            writing.cancelled_up_to = max(writing.cancelled_up_to, generation)
+            writing.newest = max(writing.newest, generation)
+            queued = writing.queued
+            if queued is None or queued.reg.generation > generation:
+                return []
+            self._unqueue(writing)
+            return [DropRegistration(queued.reg, why)]
+        waiting = self._waiting.exact(transfer_id)
+        if waiting is not None:
+            if waiting.reg.generation > generation:
+                return []
+            self._waiting.remove(waiting)
+            self._bury([transfer_id], generation, False, why, now)
+            return [DropRegistration(waiting.reg, why)]
+        finished = self._finished.exact(transfer_id)
+        if finished is not None:
+            self._finished.remove(finished)
+            self._bury([transfer_id], generation, True, why, now)
+            return [ReleaseBlocks(finished.local, why)]
+        gone = self._gone.exact(transfer_id)
+        if gone is not None:
+            gone.generation = max(gone.generation, generation)
+            return []
+        self._bury([transfer_id], generation, False, why, now)
+        return []
+
+    def abort_local(
+        self, transfer_id: str, request_id: str, reason: str, now: float
+    ) -> list[Action]:
+        """The prefill request ended without (or gave up) its KV; decode must not wait."""
+        why = f"prefill request {request_id} ended without KV: {reason}"
+        writing = self._writing_local.get(transfer_id)
+        if writing is not None:
+            writing.aborted = True
+            queued = writing.queued
+            if queued is None:
+                return []
+            self._unqueue(writing)
+            return self._refuse(queued.reg, why)
+        finished = self._finished.exact(transfer_id)
+        if finished is not None:
+            self._finished.remove(finished)
+            self._bury([transfer_id], -1, True, why, now)
+            return [ReleaseBlocks(finished.local, why)]
+        waiting = self._waiting.exact(transfer_id) or self._match(self._waiting, request_id)
+        if waiting is not None:
+            self._waiting.remove(waiting)
+            reg = waiting.reg
+            self._bury({transfer_id, reg.transfer_id}, reg.generation, True, why, now)
+            return self._refuse(reg, why)
+        self._bury([transfer_id], -1, True, why, now)
+        return []
+
+    def write_finished(
+        self, transfer_id: str, generation: int, ok: bool, error: str, now: float
+    ) -> list[Action]:
+        """The write started by `StartWrite` for (transfer_id, generation) completed."""
+        writing = self._writing.get(transfer_id)
+        if writing is None or writing.reg.generation != generation:
+            raise ValueError(f"no write in flight for transfer {transfer_id} gen {generation}")
+        if not ok:
+            self.stats.writes_failed += 1
+        queued = writing.queued
+        if queued is not None:
+            self._unqueue(writing)
+            writing.reg = queued.reg
+            self.stats.writes_started += 1
+            return [StartWrite(queued.reg, writing.local)]
+        reg, local = writing.reg, writing.local
+        del self._writing[reg.transfer_id], self._writing_local[local.transfer_id]
+        why = "written" if ok else f"KV write to {reg.engine_id} failed: {error}"
+        self._bury({reg.transfer_id, local.transfer_id}, generation, True, why, now)
+        actions: list[Action] = [ReleaseBlocks(local, why)]
+        if not ok and generation > writing.cancelled_up_to:
+            actions.append(self._notify(reg, why))
+        return actions
+
+    def expire(self, now: float) -> list[Action]:
+        """End everything whose deadline is at or before `now`."""
+        actions: list[Action] = []
+        # ending a record can leave a tombstone that is already due (tombstone_s=0, now=inf)
+        while due := self._deadlines.pop_due(now):
+            actions += self._expire_records(due, now)
+        return actions
+
+    def _expire_records(self, due: list[_Waiting | _Finished | _Gone], now: float) -> list[Action]:
+        actions: list[Action] = []
+        for record in due:
+            if isinstance(record, _Waiting):
+                actions += self._expire_registration(record, now)
+            elif isinstance(record, _Finished):
+                self.stats.expired_leases += 1
+                self._finished.remove(record)
+                local = record.local
+                why = (
+                    f"no registration for transfer {local.transfer_id} within the "
+                    f"{self.lease_s:g} s lease; check that the router sent the request to "
+                    "decode too and that decode can reach this prefill instance"
+                )
+                self._bury([local.transfer_id], -1, True, why, now)
+                actions.append(ReleaseBlocks(local, why))
+            else:
+                self._gone.remove(record)
+        return actions
+
+    def _register_new(self, reg: Registration, now: float) -> list[Action]:
+        finished = self._finished.exact(reg.transfer_id) or self._match(
+            self._finished, reg.request_id
+        )
+        if finished is not None:
+            self._finished.remove(finished)
+            return self._start(finished.local, reg)
+        waiting = _Waiting(reg, now + reg.deadline_ms / 1000)
+        self._waiting.add(waiting, [reg.transfer_id], [reg.request_id])
+        self._deadlines.add(waiting)
+        return []
+
+    def _register_after(self, gone: _Gone, reg: Registration, now: float) -> list[Action]:
+        if reg.generation <= gone.generation:
+            return self._stale()
+        if gone.kv_released:
+            self.stats.refused_registrations += 1
+            gone.generation = reg.generation
+            why = (
+                f"prefill no longer holds KV for transfer {reg.transfer_id} ({gone.reason}); "
+                "the request must be prefilled again"
+            )
+            return self._refuse(reg, why)
+        self._gone.remove(gone)
+        return self._register_new(reg, now)
+
+    def _queue_behind(self, writing: _Writing, reg: Registration, now: float) -> list[Action]:
+        if reg.generation <= writing.newest:
+            return self._stale()
+        writing.newest = reg.generation
+        if writing.aborted:
+            self.stats.refused_registrations += 1
+            why = f"prefill of transfer {reg.transfer_id} was aborted"
+            return self._refuse(reg, why)
+        actions: list[Action] = []
+        queued = writing.queued
+        if queued is not None:
+            self._unqueue(writing)
+            actions.append(
+                DropRegistration(queued.reg, f"superseded by generation {reg.generation}")
+            )
+        writing.queued = _Waiting(reg, now + reg.deadline_ms / 1000, behind=writing)
+        self._deadlines.add(writing.queued)
+        return actions
+
+    def _expire_registration(self, waiting: _Waiting, now: float) -> list[Action]:
+        self.stats.expired_registrations += 1
+        reg = waiting.reg
+        if waiting.behind is not None:
+            self._unqueue(waiting.behind)
+            why = (
+                f"generation {reg.generation} of transfer {reg.transfer_id} waited "
+                f"{reg.deadline_ms} ms for the write of an older generation to finish"
+            )
+        else:
+            self._waiting.remove(waiting)
+            why = (
+                f"no prefill result for transfer {reg.transfer_id} within {reg.deadline_ms} "
+                "ms of registration; check that the router sent the request to this prefill "
+                "instance and that it is not overloaded"
+            )
+            self._bury([reg.transfer_id], reg.generation, False, why, now)
+        return self._refuse(reg, why)
+
+    def _start(self, local: LocalBlocks, reg: Registration) -> list[Action]:
+        writing = _Writing(local, reg, reg.generation)
+        self._writing[reg.transfer_id] = writing
+        self._writing_local[local.transfer_id] = writing
+        self.stats.writes_started += 1
+        return [StartWrite(reg, local)]
+
+    def _unqueue(self, writing: _Writing) -> None:
+        if writing.queued is not None:
+            writing.queued.alive = False
+            writing.queued = None
+
+    def _match(self, index: _Index[R], request_id: str) -> R | None:
+        candidates = index.candidates(request_id)
+        if len(candidates) == 1:
+            self.stats.fallback_matches += 1
+            return candidates[0]
+        if candidates:
+            self.stats.ambiguous_matches += 1
+        return None
+
+    def _bury(
+        self, ids: Iterable[str], generation: int, kv_released: bool, reason: str, now: float
+    ) -> None:
+        keys = set(ids)
+        for key in list(keys):
+            old = self._gone.exact(key)
+            if old is not None:
+                # one tombstone per transfer: it takes over the old one's ids and fences
+                keys.update(self._gone.ids_of(old))
+                generation = max(generation, old.generation)
+                kv_released = kv_released or old.kv_released
+                self._gone.remove(old)
+        gone = _Gone(generation, kv_released, reason, now + self.tombstone_s)
+        self._gone.add(gone, sorted(keys), [])
+        self._deadlines.add(gone)
+
+    def _stale(self) -> list[Action]:
+        self.stats.stale_registrations += 1
+        return []
+
+    def _refuse(self, reg: Registration, why: str) -> list[Action]:
+        return [DropRegistration(reg, why), self._notify(reg, why)]
+
+    def _notify(self, reg: Registration, why: str) -> NotifyFailure:
+        message = WriteDone(
+            reg.transfer_id, reg.generation, self.tp_rank, self.tp_size, False, why[:MAX_TEXT_LEN]
+        )
+        return NotifyFailure(reg, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrived:
+    transfer_id: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalFailed:
+    transfer_id: str
+    generation: int
+    reason: str
+
+
+Outcome = Arrived | ArrivalFailed
+
+
+@dataclass(eq=False, slots=True)
+class _Expected:
+    transfer_id: str
+    generation: int
+    producers: int
+    deadline: float
+    arrived: set[int] = field(default_factory=set)
+    alive: bool = True
+
+
+@dataclass(slots=True)
+class ArrivalStats:
+    """Ignored notifications: repeated ranks, older generations, and ones for no transfer
+    in progress (e.g. after it expired or completed)."""
+
+    duplicates: int = 0
+    stale: int = 0
+    unexpected: int = 0
+
+
+class Arrivals:
+    """Decode-side tracking of KV writes into local blocks, one per pending transfer.
+
+    A transfer completes when one ok `WriteDone` per producer rank has arrived for its
+    current generation, and fails on the first ok=False, on a `Cancel`, or at its deadline.
+    Each expected (transfer, generation) gets exactly one outcome, unless `forget` or a
+    newer `expect` ends it first.
+    """
+
+    def __init__(self) -> None:
+        self.stats = ArrivalStats()
+        self._expected: dict[str, _Expected] = {}
+        self._deadlines: _Deadlines[_Expected] = _Deadlines()
+
+    @property
+    def pending(self) -> int:
+        return len(self._expected)
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next()
+
+    def expect(self, transfer_id: str, generation: int, producers: int, deadline: float) -> None:
+        """Wait for `producers` producer ranks to write generation `generation` by `deadline`.
+
+        A newer generation replaces the pending one (decode re-allocated its blocks).
+        """
+        if producers < 1:
+            raise ValueError(f"a transfer needs at least one producer, got {producers}")
+        old = self._expected.get(transfer_id)
+        if old is not None:
+            if generation <= old.generation:
+                raise ValueError(
+                    f"transfer {transfer_id} already expects generation {old.generation}; "
+                    "bump the generation when re-allocating"
+                )
+            old.alive = False
+        expected = _Expected(transfer_id, generation, producers, deadline)
+        self._expected[transfer_id] = expected
+        self._deadlines.add(expected)
+
+    def forget(self, transfer_id: str) -> bool:
+        """Stop tracking without an outcome (decode aborted the request itself)."""
+        expected = self._expected.pop(transfer_id, None)
+        if expected is None:
+            return False
+        expected.alive = False
+        return True
+
+    def on_write_done(self, msg: WriteDone, now: float) -> list[Outcome]:
+        expected = self._current(msg.transfer_id, msg.generation, exact=True)
+        if expected is None:
+            return []
+        if now > expected.deadline:
+            return [self._fail(expected, self._late(expected))]
+        if not msg.ok:
+            why = f"prefill rank {msg.tp_rank}/{msg.tp_size} failed to write KV: {msg.error}"
+            return [self._fail(expected, why)]
+        if msg.tp_rank in expected.arrived:
+            self.stats.duplicates += 1
+            return []
+        expected.arrived.add(msg.tp_rank)
+        if len(expected.arrived) < expected.producers:
+            return []
+        self._end(expected)
+        return [Arrived(expected.transfer_id, expected.generation)]
+
+    def on_cancel(self, msg: Cancel, now: float) -> list[Outcome]:
+        expected = self._current(msg.transfer_id, msg.generation, exact=False)
+        if expected is None:
+            return []
+        return [self._fail(expected, f"prefill cancelled the transfer: {msg.reason}")]
+
+    def expire(self, now: float) -> list[Outcome]:
+        return [self._fail(e, self._late(e)) for e in self._deadlines.pop_due(now)]
+
+    def _current(self, transfer_id: str, generation: int, exact: bool) -> _Expected | None:
+        expected = self._expected.get(transfer_id)
+        if expected is None:
+            self.stats.unexpected += 1
+            return None
+        if generation < expected.generation or (exact and generation != expected.generation):
+            self.stats.stale += 1
+            return None
+        return expected
+
+    def _late(self, expected: _Expected) -> str:
+        return (
+            f"KV for transfer {expected.transfer_id} did not arrive in time: "
+            f"{len(expected.arrived)} of {expected.producers} producer ranks finished; "
+            "check the prefill instance's health and the network between the instances"
+        )
+
+    def _fail(self, expected: _Expected, reason: str) -> ArrivalFailed:
+        self._end(expected)
+        return ArrivalFailed(expected.transfer_id, expected.generation, reason)
+
+    def _end(self, expected: _Expected) -> None:
+        expected.alive = False
+        del self._expected[expected.transfer_id]
