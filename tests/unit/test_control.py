@@ -1,0 +1,236 @@
+from __future__ import annotations
+
+import socket
+import statistics
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvpush.core.protocol import Cancel, LeaseRenew, Message, ReadDone, encode
+from kvpush.dataplane.control import ControlClient, ControlServer, Peer, frame
+
+SECRET = b"control-test-secret"
+
+
+class Recorder:
+    """Answers LeaseRenew with ReadDone, records everything else and answers nothing."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[Message, Peer]] = []
+        self.arrived = threading.Event()
+
+    def __call__(self, msg: Message, peer: Peer) -> Message | None:
+        self.received.append((msg, peer))
+        self.arrived.set()
+        if isinstance(msg, LeaseRenew):
+            if msg.transfer_id == "boom":
+                raise RuntimeError("handler bug")
+            return ReadDone(msg.transfer_id, msg.generation, True, "")
+        return None
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def server(recorder: Recorder) -> Iterator[ControlServer]:
+    with ControlServer("127.0.0.1", 0, recorder, secret=SECRET, max_frame=4096) as srv:
+        yield srv
+
+
+def client_for(server: ControlServer, secret: bytes | None = SECRET) -> ControlClient:
+    return ControlClient("127.0.0.1", server.port, secret=secret, timeout=2.0)
+
+
+def raw_send(port: int, data: bytes) -> bytes:
+    """Send raw bytes, then read until the server closes the connection.
+
+    A server closing with unread bytes makes the kernel reset the connection; that counts
+    as closed too.
+    """
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=2.0) as sock:
+        try:
+            sock.sendall(data)
+            while chunk := sock.recv(4096):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    return received
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_request_gets_the_reply(server: ControlServer, recorder: Recorder) -> None:
+    with client_for(server) as client:
+        reply = client.request(LeaseRenew("t-1", 3))
+        assert reply == ReadDone("t-1", 3, True, "")
+        assert client.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, True, "")
+    (first, peer), (second, peer2) = recorder.received
+    assert first == LeaseRenew("t-1", 3) and second == LeaseRenew("t-2", 0)
+    assert peer.host == "127.0.0.1" and peer == peer2  # one connection for both
+    assert server.port != 0
+
+
+def test_handler_returning_none_sends_nothing(server: ControlServer, recorder: Recorder) -> None:
+    with client_for(server) as client:
+        client.send(Cancel("t-1", 1, "client went away"))
+        assert recorder.arrived.wait(2.0)
+        assert recorder.received[0][0] == Cancel("t-1", 1, "client went away")
+        with pytest.raises(TimeoutError, match="no reply to Cancel"):
+            client.request(Cancel("t-2", 1, ""), timeout=0.2)
+        # the connection was dropped on timeout; the next request reconnects and works
+        assert client.request(LeaseRenew("t-3", 0)) == ReadDone("t-3", 0, True, "")
+
+
+def test_garbage_and_oversized_frames_are_refused_and_counted(server: ControlServer) -> None:
+    assert raw_send(server.port, struct.pack(">I", 5) + b"hello") == b""
+    assert raw_send(server.port, struct.pack(">I", 5000) + b"x" * 100) == b""
+    assert raw_send(server.port, b"GET / HTTP/1.1\r\n\r\n") == b""  # reads as a huge length
+    unsigned = encode(LeaseRenew("t", 0))
+    assert raw_send(server.port, struct.pack(">I", len(unsigned)) + unsigned) == b""
+    assert server.rejected == {"bad_magic": 1, "too_large": 2, "bad_mac": 1}
+    with client_for(server) as client:  # still serving
+        assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
+
+
+def test_a_refused_frame_closes_only_its_own_connection(server: ControlServer) -> None:
+    with client_for(server) as good:
+        assert good.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
+        raw_send(server.port, struct.pack(">I", 2) + b"KP")
+        assert good.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, True, "")
+    assert server.rejected == {"malformed": 1}
+
+
+def test_wrong_secret_is_refused(server: ControlServer) -> None:
+    with client_for(server, secret=b"another secret") as client, pytest.raises(
+        ConnectionError, match="same shared secret"
+    ):
+        client.request(LeaseRenew("t-1", 0))
+    with client_for(server, secret=None) as client, pytest.raises(ConnectionError):
+        client.request(LeaseRenew("t-1", 0))
+    assert server.rejected == {"bad_mac": 4}  # two clients, each tried twice
+
+
+def test_connection_refused_names_the_address() -> None:
+    port = free_port()
+    with ControlClient("127.0.0.1", port, timeout=1.0) as client:
+        with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+            client.request(LeaseRenew("t-1", 0))
+        with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+            client.send(LeaseRenew("t-1", 0))
+
+
+def test_handler_failure_closes_the_connection_not_the_server(
+    server: ControlServer,
+) -> None:
+    with client_for(server) as client:
+        with pytest.raises(ConnectionError):
+            client.request(LeaseRenew("boom", 0))
+        assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
+    assert server.handler_errors == 2
+    assert server.rejected == {}
+
+
+def test_client_reconnects_after_the_server_restarts(recorder: Recorder) -> None:
+    first = ControlServer("127.0.0.1", 0, recorder)
+    first.start()
+    port = first.port
+    client = ControlClient("127.0.0.1", port, timeout=2.0)
+    assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
+    first.stop()
+    with ControlServer("127.0.0.1", port, recorder):
+        recorder.arrived.clear()
+        client.send(Cancel("t-1", 0, "after restart"))  # must not vanish into the old socket
+        assert recorder.arrived.wait(2.0)
+        assert recorder.received[-1][0] == Cancel("t-1", 0, "after restart")
+        assert client.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, True, "")
+    client.close()
+
+
+def test_requests_from_many_threads_get_their_own_replies(server: ControlServer) -> None:
+    errors: list[str] = []
+    with client_for(server) as client:
+
+        def worker(n: int) -> None:
+            for i in range(20):
+                reply = client.request(LeaseRenew(f"t-{n}-{i}", i))
+                if reply != ReadDone(f"t-{n}-{i}", i, True, ""):
+                    errors.append(f"{n}/{i}: {reply}")
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == []
+
+
+def test_pipelined_frames_in_one_segment_are_all_answered(server: ControlServer) -> None:
+    data = b"".join(frame(LeaseRenew(f"t-{i}", i), SECRET) for i in range(50))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=2.0) as sock:
+        sock.sendall(data)
+        expected = b"".join(frame(ReadDone(f"t-{i}", i, True, ""), SECRET) for i in range(50))
+        received = b""
+        while len(received) < len(expected):
+            chunk = sock.recv(65536)
+            assert chunk
+            received += chunk
+    assert received == expected
+
+
+def test_connections_beyond_the_limit_are_refused(recorder: Recorder) -> None:
+    with ControlServer("127.0.0.1", 0, recorder, max_connections=2) as server:
+        first = client_for(server, secret=None)
+        second = client_for(server, secret=None)
+        assert first.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
+        assert second.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, True, "")
+        assert raw_send(server.port, frame(LeaseRenew("t-3", 0))) == b""
+        assert server.rejected == {"too_many_connections": 1}
+        second.close()
+        third = client_for(server, secret=None)
+        deadline = time.monotonic() + 2.0
+        while True:  # the server notices the closed connection asynchronously
+            try:
+                assert third.request(LeaseRenew("t-4", 0)) == ReadDone("t-4", 0, True, "")
+                break
+            except ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        first.close()
+        third.close()
+
+
+def test_stop_ends_the_thread_and_frees_the_port(recorder: Recorder) -> None:
+    server = ControlServer("127.0.0.1", 0, recorder)
+    server.start()
+    thread = server._thread
+    assert thread is not None and thread.is_alive()
+    server.stop()
+    server.stop()
+    assert not thread.is_alive()
+    with ControlServer("127.0.0.1", server.port, recorder):
+        pass
+
+
+def test_round_trip_time(server: ControlServer) -> None:
+    with client_for(server) as client:
+        client.request(LeaseRenew("warm-up", 0))
+        times = []
+        for i in range(200):
+            start = time.perf_counter()
+            client.request(LeaseRenew(f"t-{i}", i))
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    print(f"\ncontrol round trip over loopback: median {median * 1e6:.0f} us, "
+          f"p90 {statistics.quantiles(times, n=10)[-1] * 1e6:.0f} us (200 requests)")
