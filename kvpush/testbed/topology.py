@@ -39,14 +39,17 @@ class ConnectorSetup:
     decode_role: str = "kv_both"
     extra_config: tuple[tuple[str, Any], ...] = ()
 
-    def transfer_config(self, role: str, engine_id: str) -> dict[str, Any]:
+    def transfer_config(self, role: str, engine_id: str, timed: bool = False) -> dict[str, Any]:
+        """vLLM's --kv-transfer-config; `timed` wraps the connector in a hook timer."""
         config: dict[str, Any] = {
-            "kv_connector": self.connector,
+            "kv_connector": f"Timed{self.connector}" if timed else self.connector,
             "kv_role": self.prefill_role if role == "prefill" else self.decode_role,
             "kv_buffer_device": "cpu",
             "engine_id": engine_id,
         }
-        if self.module_path:
+        if timed:
+            config["kv_connector_module_path"] = "kvpush.bench.timed"
+        elif self.module_path:
             config["kv_connector_module_path"] = self.module_path
         if self.extra_config:
             config["kv_connector_extra_config"] = dict(self.extra_config)
@@ -69,6 +72,8 @@ SETUPS: dict[str, ConnectorSetup] = {
             "push",
             "KvpushConnector",
             module_path="kvpush.vllm",
+            prefill_role="kv_producer",
+            decode_role="kv_consumer",
             extra_config=(("mode", "push"),),
         ),
         ConnectorSetup(
@@ -76,6 +81,8 @@ SETUPS: dict[str, ConnectorSetup] = {
             "pull",
             "KvpushConnector",
             module_path="kvpush.vllm",
+            prefill_role="kv_producer",
+            decode_role="kv_consumer",
             extra_config=(("mode", "pull"),),
         ),
     )
@@ -91,6 +98,13 @@ def resolve_setup(name: str) -> ConnectorSetup:
             f"connector setup {name!r} needs module {setup.module_path}, which is not "
             "installed in this environment"
         )
+    if setup.module_path == "kvpush.vllm":
+        from kvpush.vllm.config import check_implemented
+
+        try:
+            check_implemented(dict(setup.extra_config)["mode"])
+        except NotImplementedError as exc:
+            raise ValueError(f"connector setup {name!r}: {exc}") from None
     return setup
 
 
@@ -164,6 +178,9 @@ class TopologyConfig:
     extra_vllm_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     workdir: Path = Path(".kvpush")
+    # Time every connector hook on vLLM's main threads (see kvpush.bench.timed); each
+    # server writes its totals under WORKDIR/hooks/<server>/.
+    timed_hooks: bool = False
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").exists():
@@ -217,7 +234,7 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
         if role == "decode":
             argv.append("--no-enable-prefix-caching")
         if config.setup is not None:
-            transfer = resolve_setup(config.setup).transfer_config(role, name)
+            transfer = resolve_setup(config.setup).transfer_config(role, name, config.timed_hooks)
             argv += ["--kv-transfer-config", json.dumps(transfer)]
         argv += config.extra_vllm_args
         env = {
@@ -231,6 +248,7 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
             "PYTHONUNBUFFERED": "1",
+            **hook_env(config, name),
             **config.extra_env,
         }
         specs.append(
@@ -239,6 +257,16 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
             )
         )
     return specs
+
+
+def hook_dir(config: TopologyConfig, server: str) -> Path:
+    return (config.workdir / "hooks" / server).resolve()
+
+
+def hook_env(config: TopologyConfig, server: str) -> dict[str, str]:
+    if not config.timed_hooks:
+        return {}
+    return {"KVPUSH_HOOK_DIR": str(hook_dir(config, server))}
 
 
 class StartupError(RuntimeError):
@@ -299,6 +327,11 @@ class Topology:
             )
         for spec in self.specs:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            if "KVPUSH_HOOK_DIR" in spec.env:
+                ledgers = Path(spec.env["KVPUSH_HOOK_DIR"])
+                ledgers.mkdir(parents=True, exist_ok=True)
+                for stale in ledgers.glob("*.json"):
+                    stale.unlink()
             with open(spec.log_path, "wb") as log:
                 log.write(f"$ {shlex.join(spec.argv)}\n".encode())
                 log.flush()

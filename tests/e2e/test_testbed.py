@@ -5,6 +5,7 @@ Each setup is started once (as a user would, through the CLI) and shared by the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.e2e
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
 
 
-@pytest.fixture(scope="module", params=["vllm-pull", "vllm-push"])
+@pytest.fixture(scope="module", params=["vllm-pull", "vllm-push", "kvpush-push"])
 def deployment(
     request: pytest.FixtureRequest,
     deployment_factory: Callable[..., Deployment],
@@ -47,7 +48,7 @@ def test_completions_equal_single_server(
     deployment: Deployment, reference: Reference, tiny_model: Path
 ) -> None:
     for prompt in PROMPTS:
-        answer = post(deployment.proxy + "/v1/completions", completion(tiny_model, prompt))
+        answer = deployment.ask(post, "/v1/completions", completion(tiny_model, prompt))
         assert answer["choices"][0]["text"] == reference.completions[prompt], prompt
         assert answer["usage"]["completion_tokens"] > 0
 
@@ -56,30 +57,51 @@ def test_streaming_equals_single_server(
     deployment: Deployment, reference: Reference, tiny_model: Path
 ) -> None:
     prompt = PROMPTS[1]
-    text = post_stream(deployment.proxy + "/v1/completions", completion(tiny_model, prompt))
+    text = deployment.ask(post_stream, "/v1/completions", completion(tiny_model, prompt))
     assert text == reference.completions[prompt]
 
 
 def test_chat_equals_single_server(
     deployment: Deployment, reference: Reference, tiny_model: Path
 ) -> None:
-    answer = post(deployment.proxy + "/v1/chat/completions", chat(tiny_model))
+    answer = deployment.ask(post, "/v1/chat/completions", chat(tiny_model))
     assert answer["choices"][0]["message"]["content"] == reference.chat
-    assert (
-        post_stream(deployment.proxy + "/v1/chat/completions", chat(tiny_model)) == reference.chat
-    )
+    assert deployment.ask(post_stream, "/v1/chat/completions", chat(tiny_model)) == reference.chat
 
 
 def test_decode_got_every_prompt_token_by_kv_transfer(
     deployment: Deployment, tiny_model: Path
 ) -> None:
     before = external_tokens(deployment)
-    answer = post(deployment.proxy + "/v1/completions", completion(tiny_model, PROMPTS[2]))
+    answer = deployment.ask(post, "/v1/completions", completion(tiny_model, PROMPTS[2]))
     prompt_tokens = answer["usage"]["prompt_tokens"]
     assert prompt_tokens > 100
     assert external_tokens(deployment) - before == prompt_tokens
     proxy_metrics = scrape.scrape(deployment.proxy)
     assert scrape.total(proxy_metrics, "kvpush_proxy_requests_total", outcome="ok") >= 1
+
+
+def test_kvpush_reports_transfers_and_frees_prefill_blocks(
+    deployment: Deployment, tiny_model: Path
+) -> None:
+    if not deployment.setup.startswith("kvpush"):
+        pytest.skip("kvpush's own connector metrics")
+    for prompt in PROMPTS:
+        post(deployment.proxy + "/v1/completions", completion(tiny_model, prompt))
+    prefill = scrape.scrape(deployment.prefill)
+    assert scrape.total(prefill, "kvpush:transfer_bytes_count") >= len(PROMPTS)
+    assert scrape.total(prefill, "kvpush:failures_total") == 0
+    assert scrape.total(prefill, "kvpush:main_thread_calls_total") > 0
+    decode = scrape.scrape(deployment.decode)
+    assert scrape.total(decode, "kvpush:decode_wait_seconds_count") >= len(PROMPTS)
+    # Prefill frees its blocks once the WRITE is done: usage goes back to zero.
+    usage = [scrape.total(scrape.scrape(deployment.prefill), "vllm:kv_cache_usage_perc")]
+    for _ in range(50):
+        if usage[-1] == 0:
+            break
+        time.sleep(0.2)
+        usage.append(scrape.total(scrape.scrape(deployment.prefill), "vllm:kv_cache_usage_perc"))
+    assert usage[-1] == 0, f"prefill KV usage stayed at {usage[-1]}"
 
 
 def test_sigterm_stops_everything_and_frees_every_port(deployment: Deployment) -> None:

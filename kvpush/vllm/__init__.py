@@ -1,0 +1,21 @@
+"""The vLLM adapter: `KvpushConnector`, loaded out of tree by vLLM.
+
+    "kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.vllm"
+
+The connector is imported on first access, so the adapter's light modules (config,
+layout) can be used without importing vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KvpushConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KvpushConnector":
+        from kvpush.vllm.connector import KvpushConnector
+
+        return KvpushConnector
+    raise AttributeError(f"module 'kvpush.vllm' has no attribute {name!r}")

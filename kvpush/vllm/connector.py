@@ -1,0 +1,164 @@
+"""`KvpushConnector`: the class vLLM loads (kv_connector_module_path "kvpush.vllm").
+
+A thin facade: vLLM builds it once in the scheduler process (role SCHEDULER) and once per
+worker (role WORKER); each instance forwards to `SchedulerSide` or `WorkerSide`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpush.vllm.config import KvpushConfig, check_implemented
+from kvpush.vllm.metadata import KvpushMetadata
+from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.stats import KvpushPromMetrics, KvpushStats
+from kvpush.vllm.worker import Identity, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+class KvpushConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self.config = KvpushConfig.from_extra(dict(transfer.kv_connector_extra_config or {}))
+        check_implemented(self.config.mode)
+        if transfer.kv_role not in _ROLES:
+            raise ValueError(
+                f"kvpush needs kv_role 'kv_producer' (prefill) or 'kv_consumer' (decode), "
+                f"got {transfer.kv_role!r}"
+            )
+        engine_id = str(transfer.engine_id)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(
+                self.config, engine_id, is_producer=transfer.kv_role == "kv_producer"
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            model = vllm_config.model_config
+            parallel = vllm_config.parallel_config
+            self.worker = WorkerSide(
+                self.config,
+                Identity(
+                    engine_id=engine_id,
+                    role=_ROLES[transfer.kv_role],
+                    model=str(model.model),
+                    dtype=str(model.dtype).removeprefix("torch."),
+                    tp_rank=get_tensor_model_parallel_rank(),
+                    tp_size=parallel.tensor_parallel_size,
+                ),
+            )
+            self._block_size = vllm_config.cache_config.block_size
+            self._kv_heads = model.get_num_kv_heads(parallel)
+            self._head_dim = model.get_head_size()
+
+    # -- scheduler side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(
+            set(connector_output.finished_sending or ()),
+            set(connector_output.finished_recving or ()),
+        )
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
+    # -- worker side ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches, self._block_size, self._kv_heads, self._head_dim)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpushMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is not None:
+            stats = KvpushStats(self.worker.stats_data())
+        else:
+            assert self.scheduler is not None
+            stats = KvpushStats()
+            self.scheduler.timer.drain(stats.data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KvpushStats(data=data) if data else KvpushStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvpushPromMetrics:
+        return KvpushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

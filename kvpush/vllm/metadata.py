@@ -1,0 +1,39 @@
+"""What the scheduler hands the workers each step (pickled by vLLM between processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSpec:
+    """Decode: blocks just allocated for a request whose KV prefill will write."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    prefill_host: str
+    prefill_port: int
+    prefill_tp: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendSpec:
+    """Prefill: a finished prefill whose blocks wait for decode's registration."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass
+class KvpushMetadata(KVConnectorMetadata):
+    recv: list[RecvSpec] = field(default_factory=list)
+    send: list[SendSpec] = field(default_factory=list)
+    # Requests that ended locally before their transfer did (aborts, client disconnects).
+    aborted: list[tuple[str, str]] = field(default_factory=list)  # (transfer_id, request_id)

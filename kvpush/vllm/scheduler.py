@@ -1,0 +1,133 @@
+"""Scheduler side: decides what each worker must move; never does I/O itself.
+
+Every hook here runs on vLLM's scheduler thread, so each one only reads the request,
+records a spec and returns. The specs reach the workers in the next step's metadata,
+where background threads do the talking.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvpush.vllm.config import KvpushConfig
+from kvpush.vllm.metadata import KvpushMetadata, RecvSpec, SendSpec
+from kvpush.vllm.stats import HookTimer
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+_DONE_MARK = "_kvpush_registered"
+
+
+class SchedulerSide:
+    def __init__(self, config: KvpushConfig, engine_id: str, is_producer: bool) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.is_producer = is_producer
+        self.timer = HookTimer("scheduler")
+        self._recv: list[RecvSpec] = []
+        self._send: list[SendSpec] = []
+        self._aborted: list[tuple[str, str]] = []
+        # Prefill: requests whose blocks we hold until the worker says the write is done.
+        self._sending: dict[str, float] = {}
+        # Decode: requests waiting for their KV, with the generation of their registration.
+        self._receiving: dict[str, str] = {}
+        self._generations: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        with self.timer("get_num_new_matched_tokens"):
+            params = request.kv_transfer_params
+            if not params or not params.get("do_remote_prefill") or params.get(_DONE_MARK):
+                return 0, False
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        with self.timer("update_state_after_alloc"):
+            params = request.kv_transfer_params
+            if not params or not params.get("do_remote_prefill") or params.get(_DONE_MARK):
+                return
+            if num_external_tokens <= 0:
+                return
+            transfer_id = str(params.get("transfer_id") or request.request_id)
+            # A preempted request allocates again: a new generation fences the old blocks.
+            generation = self._generations.get(transfer_id, -1) + 1
+            self._generations[transfer_id] = generation
+            block_ids = tuple(blocks.get_unhashed_block_ids())
+            self._recv.append(
+                RecvSpec(
+                    transfer_id=transfer_id,
+                    request_id=request.request_id,
+                    block_ids=block_ids,
+                    num_tokens=len(request.prompt_token_ids or ()),
+                    prefill_host=str(params["remote_host"]),
+                    prefill_port=int(params["remote_port"]),
+                    prefill_tp=int(params.get("tp_size") or 1),
+                    generation=generation,
+                )
+            )
+            self._receiving[request.request_id] = transfer_id
+            params[_DONE_MARK] = True
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
+        with self.timer("build_connector_meta"):
+            meta = KvpushMetadata(self._recv, self._send, self._aborted)
+            self._recv, self._send, self._aborted = [], [], []
+            return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        with self.timer("request_finished"):
+            params = request.kv_transfer_params
+            if not params:
+                return False, None
+            transfer_id = str(params.get("transfer_id") or request.request_id)
+            if request.request_id in self._receiving:
+                # Decode ended (e.g. client gone) before its KV arrived: tell prefill.
+                del self._receiving[request.request_id]
+                self._generations.pop(transfer_id, None)
+                self._aborted.append((transfer_id, request.request_id))
+                return False, None
+            self._generations.pop(transfer_id, None)
+            if not (self.is_producer and params.get("do_remote_decode")):
+                return False, None
+            if not _finished_normally(request) or not block_ids:
+                self._aborted.append((transfer_id, request.request_id))
+                return False, None
+            self._send.append(
+                SendSpec(
+                    transfer_id=transfer_id,
+                    request_id=request.request_id,
+                    block_ids=tuple(block_ids),
+                    num_tokens=request.num_computed_tokens,
+                )
+            )
+            self._sending[request.request_id] = time.monotonic()
+            return True, None
+
+    def update_connector_output(
+        self, finished_sending: set[str], finished_recving: set[str]
+    ) -> None:
+        with self.timer("update_connector_output"):
+            for request_id in finished_sending:
+                self._sending.pop(request_id, None)
+            for request_id in finished_recving:
+                self._receiving.pop(request_id, None)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping while prefill blocks wait for their write, so the
+        # worker's completions are collected (and the blocks freed) promptly.
+        return bool(self._sending or self._send or self._recv or self._aborted)
+
+
+def _finished_normally(request: Request) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)

@@ -1,0 +1,214 @@
+"""Connector statistics: what moved, how long it took, and what our hooks cost the engine.
+
+Workers and the scheduler each collect a `KvpushStats` per interval; vLLM ships them to
+the logger process, `aggregate`s them, prints `reduce()` and feeds `KvpushPromMetrics`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+_SERIES = ("bytes", "descriptors", "reg_to_write_s", "write_s", "wait_s")
+
+
+def empty_data() -> dict[str, Any]:
+    data: dict[str, Any] = {name: [] for name in _SERIES}
+    data.update(failures={}, rejected={}, hook_s={}, hook_calls={}, gauges={})
+    return data
+
+
+class HookTimer:
+    """Accumulates wall time spent inside vLLM's hooks, i.e. on the engine's main thread."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = {}
+        self._calls: dict[str, int] = {}
+
+    @contextmanager
+    def __call__(self, hook: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - started
+            key = f"{self.side}.{hook}"
+            with self._lock:
+                self._seconds[key] = self._seconds.get(key, 0.0) + took
+                self._calls[key] = self._calls.get(key, 0) + 1
+
+    def drain(self, data: dict[str, Any]) -> None:
+        with self._lock:
+            for key, seconds in self._seconds.items():
+                data["hook_s"][key] = data["hook_s"].get(key, 0.0) + seconds
+                data["hook_calls"][key] = data["hook_calls"].get(key, 0) + self._calls[key]
+            self._seconds.clear()
+            self._calls.clear()
+
+
+@dataclass
+class KvpushStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=empty_data)
+
+    def reset(self) -> None:
+        self.data = empty_data()
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not (d["bytes"] or d["failures"] or d["rejected"] or d["hook_s"])
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        theirs = other.data
+        for name in _SERIES:
+            self.data[name].extend(theirs.get(name, ()))
+        for table in ("failures", "rejected", "hook_s", "hook_calls"):
+            for key, value in theirs.get(table, {}).items():
+                self.data[table][key] = self.data[table].get(key, 0) + value
+        self.data["gauges"].update(theirs.get("gauges", {}))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {"transfers": len(d["bytes"])}
+        if d["bytes"]:
+            n = len(d["bytes"])
+            out["avg_MB"] = round(sum(d["bytes"]) / n / 1e6, 3)
+            out["avg_descriptors"] = round(sum(d["descriptors"]) / n, 1)
+            out["avg_write_ms"] = round(1e3 * sum(d["write_s"]) / n, 3)
+            if d["reg_to_write_s"]:
+                avg = sum(d["reg_to_write_s"]) / len(d["reg_to_write_s"])
+                out["avg_reg_to_write_ms"] = round(1e3 * avg, 3)
+        if d["wait_s"]:
+            out["avg_decode_wait_ms"] = round(1e3 * sum(d["wait_s"]) / len(d["wait_s"]), 3)
+        out["failures"] = sum(d["failures"].values())
+        out["rejected_messages"] = sum(d["rejected"].values())
+        main = sum(d["hook_s"].values())
+        out["main_thread_ms"] = round(1e3 * main, 3)
+        return out
+
+
+def _buckets(lo: float, factor: float, n: int) -> list[float]:
+    return [lo * factor**i for i in range(n)]
+
+
+class KvpushPromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+        # vLLM passes its own (multiprocess-aware) metric classes; typed loosely there.
+        hist: Any = self._histogram_cls
+        counter: Any = self._counter_cls
+        gauge: Any = self._gauge_cls
+        self.bytes = per_engine(
+            hist(
+                name="kvpush:transfer_bytes",
+                documentation="Bytes per KV transfer",
+                buckets=_buckets(4096, 4, 12),
+                labelnames=labelnames,
+            )
+        )
+        self.descriptors = per_engine(
+            hist(
+                name="kvpush:transfer_descriptors",
+                documentation="NIXL descriptors per transfer",
+                buckets=_buckets(1, 4, 10),
+                labelnames=labelnames,
+            )
+        )
+        seconds = _buckets(1e-5, 3, 14)
+        self.write_s = per_engine(
+            hist(
+                name="kvpush:write_seconds",
+                documentation="WRITE post to completion",
+                buckets=seconds,
+                labelnames=labelnames,
+            )
+        )
+        self.reg_to_write_s = per_engine(
+            hist(
+                name="kvpush:registration_to_write_seconds",
+                documentation="Registration arrival to WRITE post (0 when prefill finished later)",
+                buckets=seconds,
+                labelnames=labelnames,
+            )
+        )
+        self.wait_s = per_engine(
+            hist(
+                name="kvpush:decode_wait_seconds",
+                documentation="Decode: registration sent to all KV arrived",
+                buckets=seconds,
+                labelnames=labelnames,
+            )
+        )
+        self.failures = counter(
+            name="kvpush:failures",
+            documentation="Failed transfers by cause",
+            labelnames=[*labelnames, "kind"],
+        )
+        self.rejected = counter(
+            name="kvpush:rejected_messages",
+            documentation="Control messages rejected (malformed, forged, oversized)",
+            labelnames=[*labelnames, "kind"],
+        )
+        self.hook_s = counter(
+            name="kvpush:main_thread_seconds",
+            documentation="Time our hooks spent on vLLM's scheduler/worker main thread",
+            labelnames=[*labelnames, "hook"],
+        )
+        self.hook_calls = counter(
+            name="kvpush:main_thread_calls",
+            documentation="Calls of our hooks",
+            labelnames=[*labelnames, "hook"],
+        )
+        self.gauges = gauge(
+            name="kvpush:waiting",
+            documentation="Registrations, prefills and blocks waiting",
+            labelnames=[*labelnames, "what"],
+            multiprocess_mode="mostrecent",
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        d = transfer_stats_data
+        labels = self.per_engine_labelvalues[engine_idx]
+        metric: Any
+        for series, metric in (
+            ("bytes", self.bytes),
+            ("descriptors", self.descriptors),
+            ("write_s", self.write_s),
+            ("reg_to_write_s", self.reg_to_write_s),
+            ("wait_s", self.wait_s),
+        ):
+            for value in d.get(series, ()):
+                metric[engine_idx].observe(value)
+        for table, metric in (
+            ("failures", self.failures),
+            ("rejected", self.rejected),
+            ("hook_s", self.hook_s),
+            ("hook_calls", self.hook_calls),
+        ):
+            for key, value in d.get(table, {}).items():
+                metric.labels(*labels, key).inc(value)
+        for key, value in d.get("gauges", {}).items():
+            self.gauges.labels(*labels, key).set(value)

@@ -1,0 +1,182 @@
+"""The vLLM adapter's pure parts: KV tensor description and the scheduler-side hooks."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvpush.core.planning import plan_transfer
+from kvpush.vllm.config import KvpushConfig
+from kvpush.vllm.layout import block_pieces, describe_kv_caches
+from kvpush.vllm.scheduler import SchedulerSide
+
+
+def cpu_caches(
+    layers: int = 2, blocks: int = 8, block_size: int = 4, heads: int = 2, dim: int = 8
+) -> dict[str, torch.Tensor]:
+    # vLLM's CPU attention backend: (num_blocks, 2, block_size, heads * head_dim)
+    return {
+        f"layer{i}": torch.zeros(blocks, 2, block_size, heads * dim, dtype=torch.bfloat16)
+        for i in range(layers)
+    }
+
+
+def test_cpu_kv_caches_become_one_region_per_layer_and_plane() -> None:
+    caches = cpu_caches()
+    layout, memory = describe_kv_caches(caches, block_size=4, num_heads=2, head_dim=8)
+    t0 = caches["layer0"]
+    assert layout.num_regions == 4 and layout.num_blocks == 8 and layout.order == "NHD"
+    assert layout.region_bases[:2] == (t0.data_ptr(), t0.data_ptr() + 4 * 16 * 2)
+    assert layout.block_bytes == 4 * 16 * 2 and layout.stride == 2 * layout.block_bytes
+    assert sorted(memory) == sorted((t.data_ptr(), t.numel() * 2) for t in caches.values())
+    pieces = block_pieces(layout)
+    assert len(pieces) == 4 * 8 and pieces[1] == (t0.data_ptr() + layout.stride, 128)
+
+
+def test_plan_over_described_tensors_copies_exactly_the_request() -> None:
+    src, dst = cpu_caches(), cpu_caches()
+    for t in src.values():
+        t.copy_(torch.randn(t.shape))
+    s_layout, _ = describe_kv_caches(src, 4, 2, 8)
+    d_layout, _ = describe_kv_caches(dst, 4, 2, 8)
+    plan = plan_transfer(s_layout, (5, 6), d_layout, (1, 7), num_tokens=6)
+    for region in plan.regions:
+        for s, d, n in region:
+            ctypes.memmove(d, s, n)
+    for name in src:
+        for plane in (0, 1):
+            assert torch.equal(dst[name][1, plane], src[name][5, plane])
+            assert torch.equal(dst[name][7, plane, :2], src[name][6, plane, :2])
+            assert not dst[name][7, plane, 2:].any(), "tokens past the request untouched"
+            assert not dst[name][0].any() and not dst[name][2:7].any()
+
+
+def test_unknown_kv_shapes_are_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="does not understand"):
+        describe_kv_caches({"x": torch.zeros(3, 3, 3)}, 4, 2, 8)
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    status: Any = None
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class FakeBlocks:
+    ids: list[int] = field(default_factory=lambda: [3, 4])
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return self.ids
+
+
+def decode_params() -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "transfer_id": "t1",
+    }
+
+
+def test_decode_registers_blocks_at_allocation_once() -> None:
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
+    req = FakeRequest("cmpl-t1-0-abcdef12", list(range(10)), decode_params())
+    assert side.get_num_new_matched_tokens(req, 0) == (10, True)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks(), 10)  # type: ignore[arg-type]
+    meta = side.build_connector_meta(SimpleNamespace())
+    (spec,) = meta.recv
+    assert (spec.transfer_id, spec.block_ids, spec.num_tokens, spec.prefill_port) == (
+        "t1",
+        (3, 4),
+        10,
+        5600,
+    )
+    # after the KV arrived vLLM asks again: nothing more to load, nothing re-registered
+    assert side.get_num_new_matched_tokens(req, 10) == (0, False)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks([5]), 0)  # type: ignore[arg-type]
+    assert side.build_connector_meta(SimpleNamespace()).recv == []
+
+
+def test_decode_abort_before_arrival_is_forwarded() -> None:
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
+    req = FakeRequest("r", list(range(4)), decode_params())
+    side.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks(), 4)  # type: ignore[arg-type]
+    side.build_connector_meta(SimpleNamespace())
+    assert side.request_finished(req, [3, 4]) == (False, None)  # type: ignore[arg-type]
+    assert side.build_connector_meta(SimpleNamespace()).aborted == [("t1", "r")]
+
+
+def test_prefill_holds_blocks_until_the_write_is_done() -> None:
+    from vllm.v1.request import RequestStatus
+
+    side = SchedulerSide(KvpushConfig(), "prefill-0", is_producer=True)
+    req = FakeRequest(
+        "p",
+        list(range(4)),
+        {"do_remote_decode": True, "transfer_id": "t1"},
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        4,
+    )
+    assert side.request_finished(req, [9]) == (True, None)  # type: ignore[arg-type]
+    assert side.has_pending_push_work()
+    (send,) = side.build_connector_meta(SimpleNamespace()).send
+    assert (send.transfer_id, send.block_ids, send.num_tokens) == ("t1", (9,), 4)
+    side.update_connector_output({"p"}, set())
+    assert not side.has_pending_push_work()
+
+
+def test_aborted_prefill_frees_at_once_and_tells_the_worker() -> None:
+    from vllm.v1.request import RequestStatus
+
+    side = SchedulerSide(KvpushConfig(), "prefill-0", is_producer=True)
+    req = FakeRequest(
+        "p", [1], {"do_remote_decode": True, "transfer_id": "t1"}, RequestStatus.FINISHED_ABORTED, 1
+    )
+    assert side.request_finished(req, [9]) == (False, None)  # type: ignore[arg-type]
+    assert side.build_connector_meta(SimpleNamespace()).aborted == [("t1", "p")]
+
+
+def test_config_rejects_unknown_keys_and_reads_the_side_channel_env() -> None:
+    config = KvpushConfig.from_extra(
+        {"mode": "push"}, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "6001", "KVPUSH_SECRET": "abc"}
+    )
+    assert (config.port, config.secret) == (6001, b"abc")
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+        KvpushConfig.from_extra({"mdoe": "push"}, env={})
+    with pytest.raises(ValueError, match="mode must be one of"):
+        KvpushConfig.from_extra({"mode": "sideways"}, env={})
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_gpu_shaped_kv_caches_are_described_and_planned(head_major: bool) -> None:
+    # GPU backends allocate (2, num_blocks, block_size, heads, dim), or head-major
+    # (2, num_blocks, heads, block_size, dim); planned on host memory of the same shape.
+    shape = (2, 6, 2, 4, 8) if head_major else (2, 6, 4, 2, 8)
+    src = {f"l{i}": torch.randn(shape).to(torch.float16) for i in range(2)}
+    dst = {f"l{i}": torch.zeros(shape, dtype=torch.float16) for i in range(2)}
+    s_layout, memory = describe_kv_caches(src, block_size=4, num_heads=2, head_dim=8)
+    d_layout, _ = describe_kv_caches(dst, block_size=4, num_heads=2, head_dim=8)
+    assert s_layout.order == ("HND" if head_major else "NHD")
+    assert s_layout.num_regions == 4 and s_layout.num_blocks == 6
+    assert s_layout.region_bases[1] == src["l0"][1].data_ptr()
+    assert len(memory) == 2
+    plan = plan_transfer(s_layout, (4, 2), d_layout, (0, 5), num_tokens=8)
+    for region in plan.regions:
+        for s, d, n in region:
+            ctypes.memmove(d, s, n)
+    for name in src:
+        for kv in (0, 1):
+            assert torch.equal(dst[name][kv, 0], src[name][kv, 4])
+            assert torch.equal(dst[name][kv, 5], src[name][kv, 2])
+            assert not dst[name][kv, 1:5].any()
