@@ -16,6 +16,7 @@ from collections.abc import Sequence
 TOOLS = (
     "kvpush.testbed.model",
     "kvpush.testbed.up",
+    "kvpush.testbed.demo",
     "kvpush.proxy.cli",
     "kvpush.plan.cli",
 )
