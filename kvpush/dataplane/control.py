@@ -209,15 +209,19 @@ class ControlServer:
                 self._count("too_many_connections")
                 log.warning(
                     "control server on port %d: refusing %s:%s, %d connections already open",
-                    self._port, addr[0], addr[1], len(self._conns),
+                    self._port,
+                    addr[0],
+                    addr[1],
+                    len(self._conns),
                 )
                 sock.close()
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._next_id += 1
-            conn = _Conn(sock, Peer(str(addr[0]), int(addr[1]), self._next_id), bytearray(),
-                         bytearray())
+            conn = _Conn(
+                sock, Peer(str(addr[0]), int(addr[1]), self._next_id), bytearray(), bytearray()
+            )
             self._conns[sock] = conn
             self._selector.register(sock, selectors.EVENT_READ, conn)
 
@@ -236,8 +240,10 @@ class ControlServer:
         except ProtocolError as exc:
             self._count(exc.kind)
             log.warning(
-                "control server on port %d: refused a frame from %s (%s); closing the "
-                "connection", self._port, conn.peer, exc,
+                "control server on port %d: refused a frame from %s (%s); closing the connection",
+                self._port,
+                conn.peer,
+                exc,
             )
             self._close(conn)
         except _HandlerFailed:
@@ -272,8 +278,10 @@ class ControlServer:
         except Exception as exc:
             self.handler_errors += 1
             log.exception(
-                "control server on port %d: handler failed on %s from %s; closing the "
-                "connection", self._port, type(msg).__name__, peer,
+                "control server on port %d: handler failed on %s from %s; closing the connection",
+                self._port,
+                type(msg).__name__,
+                peer,
             )
             raise _HandlerFailed from exc
 
@@ -349,8 +357,7 @@ class ControlClient:
                 except TimeoutError as exc:
                     self._drop()
                     raise TimeoutError(
-                        f"no reply to {type(msg).__name__} from {self.address} within "
-                        f"{limit:g} s"
+                        f"no reply to {type(msg).__name__} from {self.address} within {limit:g} s"
                     ) from exc
                 except ProtocolError:
                     self._drop()

@@ -46,8 +46,16 @@ def hello(name: str, role: Role, transport: NixlTransport, regions: list[np.ndar
         tuple(r.ctypes.data for r in regions), BLOCKS, BLOCK_TOKENS, HEADS, HEAD_DIM, ELEM
     )
     return Hello(
-        version=PROTOCOL_VERSION, engine_id=name, role=role, mode="push",
-        model="tiny", dtype="bfloat16", tp_rank=0, tp_size=1, layout=layout, agent_name=name,
+        version=PROTOCOL_VERSION,
+        engine_id=name,
+        role=role,
+        mode="push",
+        model="tiny",
+        dtype="bfloat16",
+        tp_rank=0,
+        tp_size=1,
+        layout=layout,
+        agent_name=name,
         agent_metadata=transport.metadata(),
         memory=tuple((r.ctypes.data, r.nbytes) for r in regions),
     )
@@ -93,10 +101,8 @@ def _child_main(conn: Connection) -> None:
     transport.close()
 
 
-def _check(
-    transport: NixlTransport, kv: list[np.ndarray], mapping: Mapping, notif: bytes
-) -> str:
-    """"" if `kv` holds exactly the parent's blocks per `mapping` and background elsewhere."""
+def _check(transport: NixlTransport, kv: list[np.ndarray], mapping: Mapping, notif: bytes) -> str:
+    """ "" if `kv` holds exactly the parent's blocks per `mapping` and background elsewhere."""
     if notif:
         deadline = time.monotonic() + 5.0
         seen: list[bytes] = []

@@ -113,8 +113,9 @@ def test_a_refused_frame_closes_only_its_own_connection(server: ControlServer) -
 
 
 def test_wrong_secret_is_refused(server: ControlServer) -> None:
-    with client_for(server, secret=b"another secret") as client, pytest.raises(
-        ConnectionError, match="same shared secret"
+    with (
+        client_for(server, secret=b"another secret") as client,
+        pytest.raises(ConnectionError, match="same shared secret"),
     ):
         client.request(LeaseRenew("t-1", 0))
     with client_for(server, secret=None) as client, pytest.raises(ConnectionError):
@@ -232,5 +233,7 @@ def test_round_trip_time(server: ControlServer) -> None:
             client.request(LeaseRenew(f"t-{i}", i))
             times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    print(f"\ncontrol round trip over loopback: median {median * 1e6:.0f} us, "
-          f"p90 {statistics.quantiles(times, n=10)[-1] * 1e6:.0f} us (200 requests)")
+    print(
+        f"\ncontrol round trip over loopback: median {median * 1e6:.0f} us, "
+        f"p90 {statistics.quantiles(times, n=10)[-1] * 1e6:.0f} us (200 requests)"
+    )

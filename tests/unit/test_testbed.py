@@ -20,7 +20,7 @@ from kvpush.testbed.topology import (
 
 def test_tiny_model_is_deterministic_for_a_seed(tmp_path: Path) -> None:
     spec = TinyModelSpec(layers=1, heads=2, kv_heads=1, head_dim=16, vocab_size=400)
-    a = build_tiny_model(tmp_path / "a", spec)
+    build_tiny_model(tmp_path / "a", spec)
     b = build_tiny_model(tmp_path / "b", spec)
     c = build_tiny_model(
         tmp_path / "c",
