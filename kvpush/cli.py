@@ -19,6 +19,7 @@ TOOLS = (
     "kvpush.testbed.demo",
     "kvpush.proxy.cli",
     "kvpush.plan.cli",
+    "kvpush.bench.cli",
 )
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench.timed import read_ledgers
 from kvpush.plan.cli import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_corpus
 from kvpush.testbed.topology import (
@@ -35,6 +36,7 @@ from kvpush.testbed.topology import (
     StartupError,
     Topology,
     TopologyConfig,
+    hook_dir,
     resolve_setup,
 )
 
@@ -80,6 +82,8 @@ class SetupReport:
     reason: str = ""
     startup_s: float | None = None
     results: list[RequestResult] = field(default_factory=list)
+    # With timed hooks: per server name, {"scheduler"|"worker": {"seconds": .., "calls": ..}}
+    hooks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def texts(self) -> dict[int, str]:
@@ -205,7 +209,7 @@ def text_agreement(reports: Sequence[SetupReport]) -> tuple[dict[str, str], list
     return column, differing
 
 
-def _ms(seconds: float | None) -> str:
+def format_ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
@@ -221,9 +225,9 @@ def render_table(reports: Sequence[SetupReport], load: LoadSpec) -> str:
                 report.setup,
                 report.status,
                 done,
-                _ms(s.ttft_p50_s),
-                _ms(s.ttft_p99_s),
-                _ms(s.tpot_p50_s),
+                format_ms(s.ttft_p50_s),
+                format_ms(s.ttft_p99_s),
+                format_ms(s.tpot_p50_s),
                 same[report.setup],
             ]
         )
@@ -389,7 +393,13 @@ class _Progress:
 
 
 def run_setup(
-    setup: str, model: Path, args: argparse.Namespace, load: LoadSpec, prompts: list[str]
+    setup: str,
+    model: Path,
+    args: argparse.Namespace,
+    load: LoadSpec,
+    prompts: list[str],
+    timed_hooks: bool = False,
+    label: str = "demo",
 ) -> SetupReport:
     try:
         resolve_setup(setup)
@@ -403,7 +413,8 @@ def run_setup(
         port=args.port,
         kv_port=args.kv_port,
         eager=True,
-        workdir=args.workdir / "demo" / setup,
+        workdir=args.workdir / label / setup,
+        timed_hooks=timed_hooks,
         # One compile cache for every setup: the model is the same.
         extra_env={"VLLM_CACHE_ROOT": str((args.workdir / "vllm-cache").resolve())},
     )
@@ -416,6 +427,11 @@ def run_setup(
         print(f"  [{setup}] servers healthy after {took:.0f} s", flush=True)
         report = asyncio.run(_drive(topology, setup, args.port, load, prompts))
         report.startup_s = took
+        if timed_hooks:
+            time.sleep(1.0)  # the ledgers are written every half second
+            report.hooks = {
+                spec.name: read_ledgers(hook_dir(config, spec.name)) for spec in topology.specs
+            }
         return report
     except StartupError as exc:
         reason = _startup_failure(topology, exc)
@@ -517,6 +533,12 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The setup, port and load options, shared with `kvpush bench hooks`."""
     parser.add_argument(
         "--setups",
         default=None,
@@ -548,10 +570,25 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=defaults.seed, help="prompt RNG seed")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    measured = run_all(args)
+    if isinstance(measured, int):
+        return measured
+    reports, load = measured
+    print(render_table(reports, load))
+    # vLLM's own connectors failing or stalling is a measured result, not a demo failure;
+    # kvpush's failing, or any setup answering different text, is.
+    ran = [r for r in reports if r.status != "skipped"]
+    ours_ok = all(r.status == "ok" for r in ran if r.setup.startswith("kvpush"))
+    return 0 if ran and ours_ok and not text_agreement(reports)[1] else 1
+
+
+def run_all(
+    args: argparse.Namespace, timed_hooks: bool = False, label: str = "demo"
+) -> tuple[list[SetupReport], LoadSpec] | int:
+    """Run every requested setup in turn; an int is an exit code for bad arguments."""
     try:
         setups = demo_setups(args.setups)
         load = LoadSpec(
@@ -567,7 +604,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.monotonic()
     model = args.workdir / "models" / "tiny"
-    print(f"kvpush demo: setups {', '.join(setups)}; model {model} (built on first use)")
+    print(f"kvpush {label}: setups {', '.join(setups)}; model {model} (built on first use)")
     ensure_tiny_model(model, TinyModelSpec())
     from tokenizers import Tokenizer
 
@@ -575,11 +612,6 @@ def run(args: argparse.Namespace) -> int:
     prompts = make_prompts(
         load.requests, load.input_len, load.seed, lambda text: len(tokenizer.encode(text).ids)
     )
-    reports = [run_setup(setup, model, args, load, prompts) for setup in setups]
-    print(f"\nkvpush demo: done in {time.monotonic() - started:.0f} s\n")
-    print(render_table(reports, load))
-    # vLLM's own connectors failing or stalling is a measured result, not a demo failure;
-    # kvpush's failing, or any setup answering different text, is.
-    ran = [r for r in reports if r.status != "skipped"]
-    ours_ok = all(r.status == "ok" for r in ran if r.setup.startswith("kvpush"))
-    return 0 if ran and ours_ok and not text_agreement(reports)[1] else 1
+    reports = [run_setup(setup, model, args, load, prompts, timed_hooks, label) for setup in setups]
+    print(f"\nkvpush {label}: done in {time.monotonic() - started:.0f} s\n")
+    return reports, load

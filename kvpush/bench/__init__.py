@@ -1,0 +1,1 @@
+"""Benchmark tools: measure connectors as operators run them."""

@@ -1,0 +1,148 @@
+"""Time the engine-loop hooks of any KV connector class, ours or vLLM's.
+
+Load it in place of the connector: the class name is "Timed" + the connector's name, the
+module is this one, for example
+    "kv_connector": "TimedNixlConnector", "kv_connector_module_path": "kvpush.bench.timed"
+Every hook vLLM calls on its scheduler or worker main thread is wrapped with a timer
+(nested calls, e.g. get_transfer_results -> get_finished, count once). Totals are written
+as JSON to $KVPUSH_HOOK_DIR/<role>-<pid>.json by a daemon thread every half second while
+they change, so a benchmark can read what each process spent without touching the
+connector's own metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEDULER_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "request_finished",
+    "request_finished_all_groups",
+    "update_connector_output",
+    "has_pending_push_work",
+)
+WORKER_HOOKS = (
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "handle_preemptions",
+)
+_OWN = {"KvpushConnector": "kvpush.vllm"}
+_cache: dict[str, type] = {}
+
+
+class HookLedger:
+    """Per-process totals: seconds and calls per hook, written out now and then."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.depth = threading.local()
+        self.lock = threading.Lock()
+        self.changed = False
+        directory = os.environ.get("KVPUSH_HOOK_DIR")
+        self.path = Path(directory) / f"{role}-{os.getpid()}.json" if directory else None
+        if self.path is not None:
+            threading.Thread(target=self._dump_loop, name="kvpush-hook-ledger", daemon=True).start()
+
+    def record(self, hook: str, seconds: float) -> None:
+        with self.lock:
+            self.seconds[hook] = self.seconds.get(hook, 0.0) + seconds
+            self.calls[hook] = self.calls.get(hook, 0) + 1
+            self.changed = True
+
+    def _dump_loop(self) -> None:
+        while True:
+            time.sleep(0.5)
+            if self.changed:
+                self.dump()
+
+    def dump(self) -> None:
+        assert self.path is not None
+        with self.lock:
+            payload = {"role": self.role, "seconds": self.seconds, "calls": self.calls}
+            text = json.dumps(payload)
+            self.changed = False
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.path)
+
+
+def _wrap(method: Any, hook: str) -> Any:
+    @functools.wraps(method)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ledger: HookLedger = self._kvpush_ledger
+        depth = getattr(ledger.depth, "n", 0)
+        ledger.depth.n = depth + 1
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            ledger.depth.n = depth
+            if depth == 0:
+                ledger.record(hook, time.perf_counter() - started)
+
+    return timed
+
+
+def timed_class(base: type) -> type:
+    """A subclass of `base` whose hooks are timed."""
+    if base.__name__ in _cache:
+        return _cache[base.__name__]
+
+    def __init__(self: Any, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        role_name = "scheduler" if "SCHEDULER" in str(role) else "worker"
+        self._kvpush_ledger = HookLedger(role_name)
+        super(cls, self).__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+
+    namespace: dict[str, Any] = {"__init__": __init__}
+    for hook in SCHEDULER_HOOKS + WORKER_HOOKS:
+        method = getattr(base, hook, None)
+        if method is not None:
+            namespace[hook] = _wrap(method, hook)
+    cls: type = type(f"Timed{base.__name__}", (base,), namespace)
+    _cache[base.__name__] = cls
+    return cls
+
+
+def resolve(name: str) -> type:
+    """A connector class by the name vLLM's config would use."""
+    if name in _OWN:
+        return getattr(importlib.import_module(_OWN[name]), name)  # type: ignore[no-any-return]
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return KVConnectorFactory.get_connector_class_by_name(name)
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("Timed") and len(name) > 5:
+        return timed_class(resolve(name[5:]))
+    raise AttributeError(f"module 'kvpush.bench.timed' has no attribute {name!r}")
+
+
+def read_ledgers(directory: Path) -> dict[str, dict[str, Any]]:
+    """Sum the JSON files of every process by role: {"scheduler": {...}, "worker": {...}}."""
+    totals: dict[str, dict[str, Any]] = {}
+    for path in sorted(directory.glob("*.json")):
+        data = json.loads(path.read_text())
+        role = totals.setdefault(data["role"], {"seconds": {}, "calls": {}})
+        for table in ("seconds", "calls"):
+            for hook, value in data[table].items():
+                role[table][hook] = role[table].get(hook, 0) + value
+    return totals
