@@ -34,6 +34,7 @@ from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_cor
 from kvpush.testbed.topology import (
     SETUPS,
     StartupError,
+    StartupProgress,
     Topology,
     TopologyConfig,
     hook_dir,
@@ -377,21 +378,6 @@ async def stream_completion(
 # -- one setup -----------------------------------------------------------------------------
 
 
-class _Progress:
-    """Prints server start-up progress every `every` seconds."""
-
-    def __init__(self, setup: str, every: float = 10.0) -> None:
-        self.setup, self.every, self.last = setup, every, 0.0
-
-    def __call__(self, elapsed: float, pending: list[str]) -> None:
-        if pending and elapsed - self.last >= self.every:
-            self.last = elapsed
-            print(
-                f"  [{self.setup}] {elapsed:4.0f} s  waiting for /health: {', '.join(pending)}",
-                flush=True,
-            )
-
-
 def run_setup(
     setup: str,
     model: Path,
@@ -423,7 +409,7 @@ def run_setup(
         print(f"  [{setup}] {spec.name} on {spec.url}, log {spec.log_path}", flush=True)
     try:
         topology.start()
-        took = topology.wait_healthy(args.startup_timeout, _Progress(setup))
+        took = topology.wait_healthy(args.startup_timeout, StartupProgress(f"[{setup}] "))
         print(f"  [{setup}] servers healthy after {took:.0f} s", flush=True)
         report = asyncio.run(_drive(topology, setup, args.port, load, prompts))
         report.startup_s = took

@@ -181,6 +181,9 @@ class TopologyConfig:
     # Time every connector hook on vLLM's main threads (see kvpush.bench.timed); each
     # server writes its totals under WORKDIR/hooks/<server>/.
     timed_hooks: bool = False
+    # Another setup for every server of a role, e.g. {"prefill": "kvpush-pull"} next to
+    # setup "kvpush-push": a deliberately mismatched pair, to test how it is refused.
+    role_setups: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").exists():
@@ -192,6 +195,13 @@ class TopologyConfig:
             resolve_setup(self.setup)
             if self.n_prefill < 1 or self.n_decode < 1:
                 raise ValueError("--prefill and --decode must be at least 1")
+        for role, setup in self.role_setups.items():
+            if role not in ("prefill", "decode") or self.setup is None:
+                raise ValueError(
+                    f"role_setups overrides the setup of 'prefill' or 'decode' servers of a "
+                    f"P/D topology, not {role!r}"
+                )
+            resolve_setup(setup)
         if self.kv_cache_gib <= 0 or self.max_num_seqs < 1:
             raise ValueError("--kv-cache-gib and --max-num-seqs must be positive")
 
@@ -234,7 +244,8 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
         if role == "decode":
             argv.append("--no-enable-prefix-caching")
         if config.setup is not None:
-            transfer = resolve_setup(config.setup).transfer_config(role, name, config.timed_hooks)
+            setup = resolve_setup(config.role_setups.get(role, config.setup))
+            transfer = setup.transfer_config(role, name, config.timed_hooks)
             argv += ["--kv-transfer-config", json.dumps(transfer)]
         argv += config.extra_vllm_args
         env = {
@@ -267,6 +278,21 @@ def hook_env(config: TopologyConfig, server: str) -> dict[str, str]:
     if not config.timed_hooks:
         return {}
     return {"KVPUSH_HOOK_DIR": str(hook_dir(config, server))}
+
+
+class StartupProgress:
+    """A `wait_healthy` progress callback: one line every `every` seconds while waiting."""
+
+    def __init__(self, label: str, every: float = 10.0) -> None:
+        self.label, self.every, self.last = label, every, 0.0
+
+    def __call__(self, elapsed: float, pending: list[str]) -> None:
+        if pending and elapsed - self.last >= self.every:
+            self.last = elapsed
+            print(
+                f"  {self.label}{elapsed:4.0f} s  waiting for /health: {', '.join(pending)}",
+                flush=True,
+            )
 
 
 class StartupError(RuntimeError):

@@ -11,7 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpush.testbed.topology import SETUPS, StartupError, Topology, TopologyConfig
+from kvpush.testbed.topology import (
+    SETUPS,
+    StartupError,
+    StartupProgress,
+    Topology,
+    TopologyConfig,
+)
 
 EPILOG = """\
 setups:
@@ -97,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _print_plan(topology)
         topology.start()
-        took = topology.wait_healthy(args.startup_timeout, _progress)
+        took = topology.wait_healthy(args.startup_timeout, StartupProgress("", every=5.0))
         print(f"\nall {len(topology.specs)} servers healthy after {took:.0f} s", flush=True)
         return asyncio.run(_serve(topology, args))
     except StartupError as exc:
@@ -121,17 +127,6 @@ def _print_plan(topology: Topology) -> None:
             f"log {spec.log_path}",
             flush=True,
         )
-
-
-_last_progress = [0.0]
-
-
-def _progress(elapsed: float, pending: list[str]) -> None:
-    if pending and elapsed - _last_progress[0] < 5.0:
-        return
-    _last_progress[0] = elapsed
-    if pending:
-        print(f"  {elapsed:4.0f} s  waiting for /health: {', '.join(pending)}", flush=True)
 
 
 async def warm_up(url: str, model: str, attempts: int = 3, timeout: float = 30.0) -> str | None:
