@@ -238,7 +238,9 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class LeaseRenew:
-    """Decode -> prefill (pull): keep the blocks of this transfer, a READ is coming."""
+    """Decode -> prefill (pull): keep the blocks of this transfer, a READ is coming.
+
+    Prefill answers with this message if it still holds them, else with a `Cancel`."""
 
     transfer_id: str = field(metadata=_ID)
     generation: int = field(metadata=_GENERATION)
@@ -246,10 +248,17 @@ class LeaseRenew:
 
 @dataclass(frozen=True, slots=True)
 class ReadDone:
-    """Decode -> prefill (pull): the READ finished; prefill may free its blocks."""
+    """Decode -> prefill (pull): one decode rank's READ finished (or, ok=False, never will).
+
+    `tp_rank`/`tp_size` are the reader's: prefill frees its blocks once every decode rank
+    that reads from it is done, or at the first failure. Prefill answers with this message
+    if it held the blocks until now (the READ's bytes are valid), else with a `Cancel`.
+    """
 
     transfer_id: str = field(metadata=_ID)
     generation: int = field(metadata=_GENERATION)
+    tp_rank: int = field(metadata=_TP_RANK)
+    tp_size: int = field(metadata=_TP_SIZE)
     ok: bool = field(metadata=_wire(_bool))
     error: str = field(metadata=_TEXT)
 
@@ -378,7 +387,7 @@ def _build(cls: type[Message], values: object) -> Message:
 
 
 def _cross_check(msg: Message) -> str | None:
-    if isinstance(msg, Hello | Registration | WriteDone) and msg.tp_rank >= msg.tp_size:
+    if isinstance(msg, Hello | Registration | WriteDone | ReadDone) and msg.tp_rank >= msg.tp_size:
         return f"tp_rank {msg.tp_rank} is not below tp_size {msg.tp_size}"
     if isinstance(msg, Hello):
         return _outside_memory(msg.layout, msg.memory)

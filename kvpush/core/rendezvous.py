@@ -1,4 +1,4 @@
-"""Push-mode rendezvous (prefill side) and arrival tracking (decode side).
+"""Push-mode rendezvous (prefill side) and arrival tracking (decode side, both modes).
 
 Both are pure state machines: inputs are method calls with the current monotonic time
 `now` (seconds), outputs are lists of actions or outcomes for the caller to carry out. No
@@ -89,15 +89,15 @@ class NotifyFailure:
 Action = StartWrite | ReleaseBlocks | DropRegistration | NotifyFailure
 
 
-class _Timed(Protocol):
+class Timed(Protocol):
     deadline: float
     alive: bool
 
 
-T = TypeVar("T", bound=_Timed)
+T = TypeVar("T", bound=Timed)
 
 
-class _Deadlines(Generic[T]):
+class Deadlines(Generic[T]):
     """Records by due time. A record that ends early stays in the heap with alive=False and
     is skipped when it surfaces, which keeps removal O(1)."""
 
@@ -256,7 +256,7 @@ class Rendezvous:
         self._gone: _Index[_Gone] = _Index()
         self._writing: dict[str, _Writing] = {}  # by the registration's transfer id
         self._writing_local: dict[str, _Writing] = {}  # by the prefill's transfer id
-        self._deadlines: _Deadlines[_Waiting | _Finished | _Gone] = _Deadlines()
+        self._deadlines: Deadlines[_Waiting | _Finished | _Gone] = Deadlines()
 
     @property
     def waiting_registrations(self) -> int:
@@ -598,10 +598,11 @@ class ArrivalStats:
 
 
 class Arrivals:
-    """Decode-side tracking of KV writes into local blocks, one per pending transfer.
+    """Decode-side tracking of KV arriving in local blocks, one per pending transfer.
 
-    A transfer completes when one ok `WriteDone` per producer rank has arrived for its
-    current generation, and fails on the first ok=False, on a `Cancel`, or at its deadline.
+    A transfer completes when every producer rank's KV is in place for its current
+    generation (push: one ok `WriteDone` per rank; pull: one finished READ from each), and
+    fails on the first failure, on a `Cancel`, or at its deadline.
     Each expected (transfer, generation) gets exactly one outcome, unless `forget` or a
     newer `expect` ends it first.
     """
@@ -609,7 +610,7 @@ class Arrivals:
     def __init__(self) -> None:
         self.stats = ArrivalStats()
         self._expected: dict[str, _Expected] = {}
-        self._deadlines: _Deadlines[_Expected] = _Deadlines()
+        self._deadlines: Deadlines[_Expected] = Deadlines()
 
     @property
     def pending(self) -> int:
@@ -646,18 +647,28 @@ class Arrivals:
         return True
 
     def on_write_done(self, msg: WriteDone, now: float) -> list[Outcome]:
-        expected = self._current(msg.transfer_id, msg.generation, exact=True)
+        """Push: a producer rank's WRITE notification."""
+        why = f"prefill rank {msg.tp_rank}/{msg.tp_size} failed to write KV: {msg.error}"
+        return self.on_producer_done(
+            msg.transfer_id, msg.generation, msg.tp_rank, msg.ok, "" if msg.ok else why, now
+        )
+
+    def on_producer_done(
+        self, transfer_id: str, generation: int, rank: int, ok: bool, why: str, now: float
+    ) -> list[Outcome]:
+        """Producer rank `rank`'s KV is in place (push: its WRITE; pull: our READ from it),
+        or, with ok=False, will not be (`why`)."""
+        expected = self._current(transfer_id, generation, exact=True)
         if expected is None:
             return []
         if now > expected.deadline:
             return [self._fail(expected, self._late(expected))]
-        if not msg.ok:
-            why = f"prefill rank {msg.tp_rank}/{msg.tp_size} failed to write KV: {msg.error}"
+        if not ok:
             return [self._fail(expected, why)]
-        if msg.tp_rank in expected.arrived:
+        if rank in expected.arrived:
             self.stats.duplicates += 1
             return []
-        expected.arrived.add(msg.tp_rank)
+        expected.arrived.add(rank)
         if len(expected.arrived) < expected.producers:
             return []
         self._end(expected)

@@ -28,7 +28,7 @@ class Recorder:
         if isinstance(msg, LeaseRenew):
             if msg.transfer_id == "boom":
                 raise RuntimeError("handler bug")
-            return ReadDone(msg.transfer_id, msg.generation, True, "")
+            return ReadDone(msg.transfer_id, msg.generation, 0, 1, True, "")
         return None
 
 
@@ -74,8 +74,8 @@ def free_port() -> int:
 def test_request_gets_the_reply(server: ControlServer, recorder: Recorder) -> None:
     with client_for(server) as client:
         reply = client.request(LeaseRenew("t-1", 3))
-        assert reply == ReadDone("t-1", 3, True, "")
-        assert client.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, True, "")
+        assert reply == ReadDone("t-1", 3, 0, 1, True, "")
+        assert client.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, 0, 1, True, "")
     (first, peer), (second, peer2) = recorder.received
     assert first == LeaseRenew("t-1", 3) and second == LeaseRenew("t-2", 0)
     assert peer.host == "127.0.0.1" and peer == peer2  # one connection for both
@@ -90,7 +90,7 @@ def test_handler_returning_none_sends_nothing(server: ControlServer, recorder: R
         with pytest.raises(TimeoutError, match="no reply to Cancel"):
             client.request(Cancel("t-2", 1, ""), timeout=0.2)
         # the connection was dropped on timeout; the next request reconnects and works
-        assert client.request(LeaseRenew("t-3", 0)) == ReadDone("t-3", 0, True, "")
+        assert client.request(LeaseRenew("t-3", 0)) == ReadDone("t-3", 0, 0, 1, True, "")
 
 
 def test_garbage_and_oversized_frames_are_refused_and_counted(server: ControlServer) -> None:
@@ -101,14 +101,14 @@ def test_garbage_and_oversized_frames_are_refused_and_counted(server: ControlSer
     assert raw_send(server.port, struct.pack(">I", len(unsigned)) + unsigned) == b""
     assert server.rejected == {"bad_magic": 1, "too_large": 2, "bad_mac": 1}
     with client_for(server) as client:  # still serving
-        assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
+        assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, 0, 1, True, "")
 
 
 def test_a_refused_frame_closes_only_its_own_connection(server: ControlServer) -> None:
     with client_for(server) as good:
-        assert good.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
+        assert good.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, 0, 1, True, "")
         raw_send(server.port, struct.pack(">I", 2) + b"KP")
-        assert good.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, True, "")
+        assert good.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, 0, 1, True, "")
     assert server.rejected == {"malformed": 1}
 
 
@@ -138,7 +138,7 @@ def test_handler_failure_closes_the_connection_not_the_server(
     with client_for(server) as client:
         with pytest.raises(ConnectionError):
             client.request(LeaseRenew("boom", 0))
-        assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
+        assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, 0, 1, True, "")
     assert server.handler_errors == 2
     assert server.rejected == {}
 
@@ -148,14 +148,14 @@ def test_client_reconnects_after_the_server_restarts(recorder: Recorder) -> None
     first.start()
     port = first.port
     client = ControlClient("127.0.0.1", port, timeout=2.0)
-    assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
+    assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, 0, 1, True, "")
     first.stop()
     with ControlServer("127.0.0.1", port, recorder):
         recorder.arrived.clear()
         client.send(Cancel("t-1", 0, "after restart"))  # must not vanish into the old socket
         assert recorder.arrived.wait(2.0)
         assert recorder.received[-1][0] == Cancel("t-1", 0, "after restart")
-        assert client.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, True, "")
+        assert client.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, 0, 1, True, "")
     client.close()
 
 
@@ -181,7 +181,7 @@ def test_pipelined_frames_in_one_segment_are_all_answered(server: ControlServer)
     data = b"".join(frame(LeaseRenew(f"t-{i}", i), SECRET) for i in range(50))
     with socket.create_connection(("127.0.0.1", server.port), timeout=2.0) as sock:
         sock.sendall(data)
-        expected = b"".join(frame(ReadDone(f"t-{i}", i, True, ""), SECRET) for i in range(50))
+        expected = b"".join(frame(ReadDone(f"t-{i}", i, 0, 1, True, ""), SECRET) for i in range(50))
         received = b""
         while len(received) < len(expected):
             chunk = sock.recv(65536)
@@ -194,8 +194,8 @@ def test_connections_beyond_the_limit_are_refused(recorder: Recorder) -> None:
     with ControlServer("127.0.0.1", 0, recorder, max_connections=2) as server:
         first = client_for(server, secret=None)
         second = client_for(server, secret=None)
-        assert first.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, True, "")
-        assert second.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, True, "")
+        assert first.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, 0, 1, True, "")
+        assert second.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, 0, 1, True, "")
         assert raw_send(server.port, frame(LeaseRenew("t-3", 0))) == b""
         assert server.rejected == {"too_many_connections": 1}
         second.close()
@@ -203,7 +203,7 @@ def test_connections_beyond_the_limit_are_refused(recorder: Recorder) -> None:
         deadline = time.monotonic() + 2.0
         while True:  # the server notices the closed connection asynchronously
             try:
-                assert third.request(LeaseRenew("t-4", 0)) == ReadDone("t-4", 0, True, "")
+                assert third.request(LeaseRenew("t-4", 0)) == ReadDone("t-4", 0, 0, 1, True, "")
                 break
             except ConnectionError:
                 assert time.monotonic() < deadline

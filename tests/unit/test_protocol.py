@@ -71,7 +71,7 @@ EXAMPLES: list[Message] = [
     WriteDone("t-1", 3, 0, 2, False, "NIXL_ERR_REMOTE_DISCONNECT"),
     Cancel("t-1", 2, "client went away"),
     LeaseRenew("t-1", 0),
-    ReadDone("t-1", 0, True, ""),
+    ReadDone("t-1", 0, 1, 2, True, ""),
 ]
 
 
@@ -141,13 +141,19 @@ def write_dones(draw: st.DrawFn) -> WriteDone:
     return WriteDone(draw(ids), draw(generations), rank, size, draw(st.booleans()), draw(texts))
 
 
+@st.composite
+def read_dones(draw: st.DrawFn) -> ReadDone:
+    rank, size = draw(tp())
+    return ReadDone(draw(ids), draw(generations), rank, size, draw(st.booleans()), draw(texts))
+
+
 messages = st.one_of(
     hellos(),
     registrations(),
     write_dones(),
     st.builds(Cancel, ids, generations, texts),
     st.builds(LeaseRenew, ids, generations),
-    st.builds(ReadDone, ids, generations, st.booleans(), texts),
+    read_dones(),
 )
 
 
