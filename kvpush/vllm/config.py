@@ -17,16 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 MODES = ("push", "pull")
-# What this build of the connector can run; pull mode is designed in but not built yet.
-IMPLEMENTED_MODES = ("push",)
-
-
-def check_implemented(mode: str) -> None:
-    if mode not in IMPLEMENTED_MODES:
-        raise NotImplementedError(
-            f"kvpush {mode} mode is not available yet; set kv_connector_extra_config.mode to "
-            f"one of {IMPLEMENTED_MODES} (or use vLLM's NixlConnector for pull)"
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +26,8 @@ class KvpushConfig:
     port: int = 5600
     # How long a decode waits for prefill's KV before failing the request.
     transfer_timeout_s: float = 30.0
-    # How long prefill keeps finished blocks for a registration that has not arrived.
+    # How long prefill keeps finished blocks for decode: push, for a registration that has
+    # not arrived; pull, for a READ (decode renews the lease every lease_s / 2 until done).
     lease_s: float = 30.0
     # Shared secret that authenticates control messages between instances (None: off).
     secret: bytes | None = None

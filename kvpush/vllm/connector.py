@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpush.vllm.config import KvpushConfig, check_implemented
+from kvpush.vllm.config import KvpushConfig
 from kvpush.vllm.metadata import KvpushMetadata
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KvpushPromMetrics, KvpushStats
@@ -40,7 +40,6 @@ class KvpushConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.config = KvpushConfig.from_extra(dict(transfer.kv_connector_extra_config or {}))
-        check_implemented(self.config.mode)
         if transfer.kv_role not in _ROLES:
             raise ValueError(
                 f"kvpush needs kv_role 'kv_producer' (prefill) or 'kv_consumer' (decode), "
@@ -51,7 +50,10 @@ class KvpushConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(
-                self.config, engine_id, is_producer=transfer.kv_role == "kv_producer"
+                self.config,
+                engine_id,
+                is_producer=transfer.kv_role == "kv_producer",
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -9,7 +9,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(frozen=True, slots=True)
 class RecvSpec:
-    """Decode: blocks just allocated for a request whose KV prefill will write."""
+    """Decode: blocks just allocated for a request whose KV comes from prefill.
+
+    Push: prefill writes them. Pull: decode reads prefill's `remote_block_ids`, where
+    prefill computed `remote_num_tokens` tokens (both from prefill's kv_transfer_params).
+    """
 
     transfer_id: str
     request_id: str
@@ -19,11 +23,14 @@ class RecvSpec:
     prefill_port: int
     prefill_tp: int
     generation: int
+    remote_block_ids: tuple[int, ...] = ()
+    remote_num_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class SendSpec:
-    """Prefill: a finished prefill whose blocks wait for decode's registration."""
+    """Prefill: a finished prefill whose blocks wait for decode (push: its registration,
+    pull: its READ)."""
 
     transfer_id: str
     request_id: str

@@ -2,7 +2,10 @@
 
 Every hook here runs on vLLM's scheduler thread, so each one only reads the request,
 records a spec and returns. The specs reach the workers in the next step's metadata,
-where background threads do the talking.
+where background threads do the talking. Both modes take the same decisions: decode
+records the blocks it allocated for remote KV, prefill keeps a finished prefill's blocks
+until its worker says they moved; in pull mode prefill also answers with the coordinates
+decode reads from.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ _DONE_MARK = "_kvpush_registered"
 
 
 class SchedulerSide:
-    def __init__(self, config: KvpushConfig, engine_id: str, is_producer: bool) -> None:
+    def __init__(
+        self, config: KvpushConfig, engine_id: str, is_producer: bool, tp_size: int = 1
+    ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.is_producer = is_producer
+        self.tp_size = tp_size
         self.timer = HookTimer("scheduler")
         self._recv: list[RecvSpec] = []
         self._send: list[SendSpec] = []
@@ -60,6 +66,7 @@ class SchedulerSide:
             generation = self._generations.get(transfer_id, -1) + 1
             self._generations[transfer_id] = generation
             block_ids = tuple(blocks.get_unhashed_block_ids())
+            remote_ids = params.get("remote_block_ids") or ()
             self._recv.append(
                 RecvSpec(
                     transfer_id=transfer_id,
@@ -70,6 +77,8 @@ class SchedulerSide:
                     prefill_port=int(params["remote_port"]),
                     prefill_tp=int(params.get("tp_size") or 1),
                     generation=generation,
+                    remote_block_ids=tuple(int(b) for b in remote_ids),
+                    remote_num_tokens=int(params.get("remote_num_tokens") or 0),
                 )
             )
             self._receiving[request.request_id] = transfer_id
@@ -110,7 +119,19 @@ class SchedulerSide:
                 )
             )
             self._sending[request.request_id] = time.monotonic()
-            return True, None
+            if self.config.mode == "push":
+                return True, None
+            return True, {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "transfer_id": transfer_id,
+                "remote_engine_id": self.engine_id,
+                "remote_host": self.config.host,
+                "remote_port": self.config.port,
+                "remote_block_ids": list(block_ids),
+                "remote_num_tokens": request.num_computed_tokens,
+                "tp_size": self.tp_size,
+            }
 
     def update_connector_output(
         self, finished_sending: set[str], finished_recving: set[str]

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-_SERIES = ("bytes", "descriptors", "reg_to_write_s", "write_s", "wait_s")
+_SERIES = ("bytes", "descriptors", "reg_to_write_s", "write_s", "read_s", "wait_s")
 
 
 def empty_data() -> dict[str, Any]:
@@ -85,7 +85,9 @@ class KvpushStats(KVConnectorStats):
             n = len(d["bytes"])
             out["avg_MB"] = round(sum(d["bytes"]) / n / 1e6, 3)
             out["avg_descriptors"] = round(sum(d["descriptors"]) / n, 1)
-            out["avg_write_ms"] = round(1e3 * sum(d["write_s"]) / n, 3)
+            for series, key in (("write_s", "avg_write_ms"), ("read_s", "avg_read_ms")):
+                if d[series]:
+                    out[key] = round(1e3 * sum(d[series]) / len(d[series]), 3)
             if d["reg_to_write_s"]:
                 avg = sum(d["reg_to_write_s"]) / len(d["reg_to_write_s"])
                 out["avg_reg_to_write_ms"] = round(1e3 * avg, 3)
@@ -121,46 +123,28 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         hist: Any = self._histogram_cls
         counter: Any = self._counter_cls
         gauge: Any = self._gauge_cls
-        self.bytes = per_engine(
-            hist(
-                name="kvpush:transfer_bytes",
-                documentation="Bytes per KV transfer",
-                buckets=_buckets(4096, 4, 12),
-                labelnames=labelnames,
+
+        def histogram(name: str, documentation: str, buckets: list[float]) -> dict[int, Any]:
+            return per_engine(
+                hist(name=name, documentation=documentation, buckets=buckets, labelnames=labelnames)
             )
-        )
-        self.descriptors = per_engine(
-            hist(
-                name="kvpush:transfer_descriptors",
-                documentation="NIXL descriptors per transfer",
-                buckets=_buckets(1, 4, 10),
-                labelnames=labelnames,
-            )
-        )
+
         seconds = _buckets(1e-5, 3, 14)
-        self.write_s = per_engine(
-            hist(
-                name="kvpush:write_seconds",
-                documentation="WRITE post to completion",
-                buckets=seconds,
-                labelnames=labelnames,
-            )
+        self.bytes = histogram(
+            "kvpush:transfer_bytes", "Bytes per KV transfer", _buckets(4096, 4, 12)
         )
-        self.reg_to_write_s = per_engine(
-            hist(
-                name="kvpush:registration_to_write_seconds",
-                documentation="Registration arrival to WRITE post (0 when prefill finished later)",
-                buckets=seconds,
-                labelnames=labelnames,
-            )
+        self.descriptors = histogram(
+            "kvpush:transfer_descriptors", "NIXL descriptors per transfer", _buckets(1, 4, 10)
         )
-        self.wait_s = per_engine(
-            hist(
-                name="kvpush:decode_wait_seconds",
-                documentation="Decode: registration sent to all KV arrived",
-                buckets=seconds,
-                labelnames=labelnames,
-            )
+        self.write_s = histogram("kvpush:write_seconds", "Push: WRITE post to completion", seconds)
+        self.read_s = histogram("kvpush:read_seconds", "Pull: READ post to completion", seconds)
+        self.reg_to_write_s = histogram(
+            "kvpush:registration_to_write_seconds",
+            "Registration arrival to WRITE post (0 when prefill finished later)",
+            seconds,
+        )
+        self.wait_s = histogram(
+            "kvpush:decode_wait_seconds", "Decode: blocks allocated to all KV arrived", seconds
         )
         self.failures = counter(
             name="kvpush:failures",
@@ -184,7 +168,7 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         )
         self.gauges = gauge(
             name="kvpush:waiting",
-            documentation="Registrations, prefills and blocks waiting",
+            documentation="Registrations, prefills, leases, blocks and transfers waiting",
             labelnames=[*labelnames, "what"],
             multiprocess_mode="mostrecent",
         )
@@ -197,6 +181,7 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             ("bytes", self.bytes),
             ("descriptors", self.descriptors),
             ("write_s", self.write_s),
+            ("read_s", self.read_s),
             ("reg_to_write_s", self.reg_to_write_s),
             ("wait_s", self.wait_s),
         ):

@@ -1,4 +1,4 @@
-"""`kvpush up` with vLLM's own connectors: outputs match a single server, KV came by transfer.
+"""`kvpush up` with vLLM's connectors and ours: outputs match a single server, KV came by transfer.
 
 Each setup is started once (as a user would, through the CLI) and shared by the checks.
 """
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.e2e
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
 
 
-@pytest.fixture(scope="module", params=["vllm-pull", "vllm-push", "kvpush-push"])
+@pytest.fixture(scope="module", params=["vllm-pull", "vllm-push", "kvpush-push", "kvpush-pull"])
 def deployment(
     request: pytest.FixtureRequest,
     deployment_factory: Callable[..., Deployment],
@@ -89,12 +89,20 @@ def test_kvpush_reports_transfers_and_frees_prefill_blocks(
     for prompt in PROMPTS:
         post(deployment.proxy + "/v1/completions", completion(tiny_model, prompt))
     prefill = scrape.scrape(deployment.prefill)
-    assert scrape.total(prefill, "kvpush:transfer_bytes_count") >= len(PROMPTS)
-    assert scrape.total(prefill, "kvpush:failures_total") == 0
-    assert scrape.total(prefill, "kvpush:main_thread_calls_total") > 0
     decode = scrape.scrape(deployment.decode)
+    # The side that initiates the transfer observes it: prefill WRITEs, decode READs.
+    if deployment.setup == "kvpush-push":
+        initiator, duration = prefill, "kvpush:write_seconds_count"
+    else:
+        initiator, duration = decode, "kvpush:read_seconds_count"
+    assert scrape.total(initiator, "kvpush:transfer_bytes_count") >= len(PROMPTS)
+    assert scrape.total(initiator, "kvpush:transfer_descriptors_count") >= len(PROMPTS)
+    assert scrape.total(initiator, duration) >= len(PROMPTS)
+    for side in (prefill, decode):
+        assert scrape.total(side, "kvpush:failures_total") == 0
+        assert scrape.total(side, "kvpush:main_thread_calls_total") > 0
     assert scrape.total(decode, "kvpush:decode_wait_seconds_count") >= len(PROMPTS)
-    # Prefill frees its blocks once the WRITE is done: usage goes back to zero.
+    # Prefill frees its blocks once the transfer is done: usage goes back to zero.
     usage = [scrape.total(scrape.scrape(deployment.prefill), "vllm:kv_cache_usage_perc")]
     for _ in range(50):
         if usage[-1] == 0:

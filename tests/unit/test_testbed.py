@@ -117,3 +117,20 @@ def test_config_errors_name_the_fix(tmp_path: Path) -> None:
         TopologyConfig(model=tmp_path, setup="vllm-pull")
     with pytest.raises(ValueError, match="choose from"):
         resolve_setup("nccl-magic")
+
+
+def test_a_role_can_run_another_setup_to_build_a_mismatched_pair(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    config = TopologyConfig(
+        model=tmp_path,
+        setup="kvpush-push",
+        role_setups={"prefill": "kvpush-pull"},
+        workdir=tmp_path / "w",
+    )
+    modes = [
+        json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        for s in build_specs(config, cores=[0, 1])
+    ]
+    assert modes == [{"mode": "pull"}, {"mode": "push"}]
+    with pytest.raises(ValueError, match="'prefill' or 'decode'"):
+        TopologyConfig(model=tmp_path, setup="kvpush-push", role_setups={"proxy": "kvpush-pull"})

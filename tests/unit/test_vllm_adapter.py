@@ -180,3 +180,50 @@ def test_gpu_shaped_kv_caches_are_described_and_planned(head_major: bool) -> Non
             assert torch.equal(dst[name][kv, 0], src[name][kv, 4])
             assert torch.equal(dst[name][kv, 5], src[name][kv, 2])
             assert not dst[name][kv, 1:5].any()
+
+
+def test_pull_prefill_keeps_its_blocks_and_answers_with_their_coordinates() -> None:
+    from vllm.v1.request import RequestStatus
+
+    config = KvpushConfig(mode="pull", host="10.0.0.5", port=7100)
+    side = SchedulerSide(config, "prefill-0", is_producer=True, tp_size=2)
+    req = FakeRequest(
+        "p-1", list(range(6)), {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED, 6
+    )
+    delay, params = side.request_finished(req, [9, 2])  # type: ignore[arg-type]
+    assert delay and params == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": "p-1",
+        "remote_engine_id": "prefill-0",
+        "remote_host": "10.0.0.5",
+        "remote_port": 7100,
+        "remote_block_ids": [9, 2],
+        "remote_num_tokens": 6,
+        "tp_size": 2,
+    }
+    (send,) = side.build_connector_meta(SimpleNamespace()).send
+    assert (send.transfer_id, send.block_ids, send.num_tokens) == ("p-1", (9, 2), 6)
+    assert side.has_pending_push_work()
+    side.update_connector_output({"p-1"}, set())
+    assert not side.has_pending_push_work()
+
+
+def test_pull_decode_records_where_to_read_from() -> None:
+    from vllm.v1.request import RequestStatus
+
+    prefill = SchedulerSide(KvpushConfig(mode="pull"), "prefill-0", is_producer=True)
+    done = FakeRequest(
+        "p-1", list(range(6)), {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED, 6
+    )
+    _, params = prefill.request_finished(done, [9, 2])  # type: ignore[arg-type]
+    decode = SchedulerSide(KvpushConfig(mode="pull"), "decode-0", is_producer=False)
+    req = FakeRequest("d-1", list(range(6)), dict(params or {}))  # what the proxy relays
+    assert decode.get_num_new_matched_tokens(req, 0) == (6, True)  # type: ignore[arg-type]
+    decode.update_state_after_alloc(req, FakeBlocks([4, 7]), 6)  # type: ignore[arg-type]
+    (spec,) = decode.build_connector_meta(SimpleNamespace()).recv
+    assert (spec.transfer_id, spec.block_ids, spec.remote_block_ids) == ("p-1", (4, 7), (9, 2))
+    assert (spec.num_tokens, spec.remote_num_tokens, spec.prefill_port) == (6, 6, 5600)
+    # the decode request finishing normally releases nothing of its own
+    decode.update_connector_output(set(), {"d-1"})
+    assert decode.request_finished(req, [4, 7]) == (False, None)  # type: ignore[arg-type]

@@ -1,0 +1,359 @@
+"""What push and pull share on the worker side: peers, posting KV transfers, polling them.
+
+- `Peers`: remote TP ranks by control address. The first transfer to a rank starts a
+  handshake (`Hello` both ways: compatibility check, NIXL agent metadata, per-peer prepared
+  block lists) on a small pool, so a slow or broken peer never delays transfers to known
+  ones; jobs wait on the peer and come back to the owning thread when it is ready.
+- `post_kv`: one WRITE (push, prefill initiates) or READ (pull, decode initiates) of a
+  request's blocks, by prepared block index when both sides share a shape, else by the
+  descriptors `planning.plan_transfer` computes on each side's own layout.
+- `InFlight`: transfers posted and not yet complete, polled with backoff only while there
+  are any (NIXL's progress thread is off, see `dataplane/transport.py`).
+- `PeerLoop`: the worker thread that owns both, posts through them and forgets a peer
+  that went away (it handshakes again on the next transfer, e.g. after a restart).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+from kvpush.core import planning
+from kvpush.core.planning import KVLayout
+from kvpush.core.protocol import Hello, Message, check_compatible
+from kvpush.dataplane.control import ControlClient
+from kvpush.dataplane.transport import Transfer, TransferError
+from kvpush.vllm.layout import block_pieces
+from kvpush.vllm.threads import Loop
+
+if TYPE_CHECKING:
+    from kvpush.vllm.worker import WorkerSide
+
+log = logging.getLogger("kvpush.worker")
+
+J = TypeVar("J")
+Op = Literal["WRITE", "READ"]
+_FIRST_POLL_S = 20e-6
+_MAX_POLL_S = 1e-3
+
+
+@dataclass(slots=True)
+class Peer(Generic[J]):
+    """One remote TP rank: its control connection and, once handshaken, its NIXL agent."""
+
+    host: str
+    port: int
+    client: ControlClient
+    hello: Hello | None = None
+    agent: str = ""
+    error: str = ""
+    error_kind: str = ""
+    same_shape: bool = False
+    waiting: list[J] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerReady:
+    """Inbox item: a handshake ended (see `Peer.error`)."""
+
+    peer: Peer[Any]
+
+
+class Peers(Generic[J]):
+    """The peers of one worker thread; handshakes run on a pool and report to `inbox`.
+
+    Messages that may block on a peer (notifications, lease questions) run on a second
+    pool, so a handshake stuck on an unresponsive peer never holds them up.
+    """
+
+    def __init__(
+        self, worker: WorkerSide, inbox: queue.Queue[tuple[object, float]], peer_role: str
+    ) -> None:
+        self.worker = worker
+        self.inbox = inbox
+        self.peer_role = peer_role
+        self.peers: dict[tuple[str, int], Peer[J]] = {}
+        self.handshakes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-handshake")
+        self.messages = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-message")
+
+    def get(self, host: str, port: int) -> Peer[J]:
+        key = (host, port)
+        if key not in self.peers:
+            client = ControlClient(host, port, secret=self.worker.config.secret, timeout=5.0)
+            self.peers[key] = Peer(host, port, client)
+        return self.peers[key]
+
+    def when_ready(self, peer: Peer[J], job: J) -> bool:
+        """True if `job` can go now; else it waits for the handshake (started on first need)."""
+        if peer.hello is not None:
+            return True
+        peer.waiting.append(job)
+        if len(peer.waiting) == 1:
+            self.handshakes.submit(self._handshake, peer)
+        return False
+
+    def ready(self, peer: Peer[J]) -> list[J]:
+        """On the owning thread, for a `PeerReady`: the jobs that waited on `peer`.
+
+        A failed peer is forgotten, so a later job handshakes again (it may have restarted).
+        """
+        waiting, peer.waiting = peer.waiting, []
+        if peer.error:
+            self.peers.pop((peer.host, peer.port), None)
+        return waiting
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn` on the message pool: a message exchange that may block on a peer."""
+        self.messages.submit(fn, *args)
+
+    def lost(self, peer: Peer[J], error: TransferError) -> None:
+        """After `error` on a transfer with `peer`: a peer that went away is forgotten, so
+        the next transfer handshakes again (it may have restarted, with a new NIXL agent)."""
+        key = (peer.host, peer.port)
+        if error.kind == "remote_disconnect" and self.peers.get(key) is peer:
+            log.warning("%s %s went away; the next transfer handshakes again", self.peer_role, peer)
+            del self.peers[key]
+
+    def notify(self, host: str, port: int, msg: Message) -> None:
+        """Send `msg` from the message pool; a peer that cannot be reached is only logged."""
+        self.messages.submit(self._send, self.get(host, port).client, msg)
+
+    def close(self) -> None:
+        for pool in (self.handshakes, self.messages):
+            pool.shutdown(wait=False, cancel_futures=True)
+        for peer in self.peers.values():
+            peer.client.close()
+
+    @staticmethod
+    def _send(client: ControlClient, msg: Message) -> None:
+        try:
+            client.send(msg)
+        except (ConnectionError, OSError) as exc:
+            log.warning("could not send %s to %s: %s", type(msg).__name__, client.address, exc)
+
+    def _handshake(self, peer: Peer[J]) -> None:
+        """Pool thread: learn the peer's layout and NIXL agent, then hand back."""
+        worker = self.worker
+        assert worker.hello is not None and worker.transport is not None
+        try:
+            remote = peer.client.request(worker.hello, timeout=10.0)
+            if not isinstance(remote, Hello):
+                raise ConnectionError(f"expected a Hello, got {type(remote).__name__}")
+            problem = check_compatible(worker.hello, remote)
+            if problem:
+                peer.error_kind = "incompatible_peer"
+                raise ConnectionError(f"incompatible peer {remote.engine_id}: {problem}")
+            agent = worker.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
+            local = worker.hello.layout
+            same = (
+                remote.layout.block_size == local.block_size
+                and remote.tp_size == worker.identity.tp_size
+                and remote.layout.num_heads == local.num_heads
+            )
+            if same:
+                worker.transport.prepare_peer_blocks(
+                    agent, block_pieces(local), block_pieces(remote.layout)
+                )
+            peer.agent, peer.same_shape, peer.hello = agent, same, remote
+        except Exception as exc:  # any failure here fails this peer's transfers, clearly
+            peer.error_kind = peer.error_kind or "handshake_failed"
+            peer.error = f"handshake with {self.peer_role} {peer} failed: {exc}"
+            log.error("%s", peer.error)
+        self.inbox.put((PeerReady(peer), time.monotonic()))
+
+
+@dataclass(frozen=True, slots=True)
+class Posted:
+    transfer: Transfer
+    descriptors: int
+    nbytes: int
+
+
+def post_kv(
+    worker: WorkerSide,
+    op: Op,
+    peer: Peer[Any],
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    num_tokens: int,
+    prefill_tokens: int,
+) -> Posted:
+    """Move the first `num_tokens` tokens between our blocks and the peer's.
+
+    WRITE copies ours into theirs (push), READ theirs into ours (pull); `prefill_tokens`
+    is how many tokens prefill computed. Raises `PlanError` or `TransferError` with what
+    went wrong.
+    """
+    transport, hello = worker.transport, worker.hello
+    assert transport is not None and hello is not None and peer.hello is not None
+    if prefill_tokens < num_tokens:
+        raise planning.PlanError(
+            f"prefill computed {prefill_tokens} tokens but decode needs {num_tokens}"
+        )
+    local, remote = hello.layout, peer.hello.layout
+    if peer.same_shape:
+        n = math.ceil(num_tokens / local.block_size)
+        if n > len(local_blocks) or n > len(remote_blocks):
+            raise planning.PlanError(
+                f"{num_tokens} tokens need {n} blocks; this side has {len(local_blocks)}, "
+                f"the {'decode' if op == 'WRITE' else 'prefill'} side {len(remote_blocks)}"
+            )
+        _check_ids(remote_blocks[:n], remote.num_blocks)
+        local_idx = _indices(local, local_blocks[:n])
+        remote_idx = _indices(remote, remote_blocks[:n])
+        descriptors = len(planning.merge_runs(local_blocks[:n])) * local.num_regions
+        nbytes = n * local.num_regions * local.block_bytes
+        post = transport.write_blocks if op == "WRITE" else transport.read_blocks
+        return Posted(post(peer.agent, local_idx, remote_idx), descriptors, nbytes)
+    ours = (local, local_blocks, worker.identity.tp_rank, worker.identity.tp_size)
+    theirs = (remote, remote_blocks, peer.hello.tp_rank, peer.hello.tp_size)
+    (src, src_blocks, src_rank, src_tp), (dst, dst_blocks, dst_rank, dst_tp) = (
+        (ours, theirs) if op == "WRITE" else (theirs, ours)
+    )
+    plan = planning.plan_transfer(
+        src,
+        src_blocks,
+        dst,
+        dst_blocks,
+        num_tokens,
+        src_rank=src_rank,
+        src_tp=src_tp,
+        dst_rank=dst_rank,
+        dst_tp=dst_tp,
+    )
+    pieces = [d for region in plan.regions for d in region]
+    src_pieces = [(s, n) for s, _, n in pieces]
+    dst_pieces = [(d, n) for _, d, n in pieces]
+    if op == "WRITE":
+        transfer = transport.write(peer.agent, src_pieces, dst_pieces)
+    else:
+        transfer = transport.read(peer.agent, src_pieces, dst_pieces)
+    return Posted(transfer, plan.num_descriptors, plan.total_bytes)
+
+
+def _indices(layout: KVLayout, blocks: Sequence[int]) -> list[int]:
+    """Indices into `block_pieces(layout)` (region-major) of `blocks` in every region."""
+    return [r * layout.num_blocks + b for r in range(layout.num_regions) for b in blocks]
+
+
+def _check_ids(ids: Sequence[int], num_blocks: int) -> None:
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise planning.PlanError(f"remote block ids {bad[:5]} outside 0..{num_blocks - 1}")
+
+
+@dataclass(slots=True)
+class Moving(Generic[J]):
+    """A posted transfer and the job it serves."""
+
+    job: J
+    transfer: Transfer
+    peer: Peer[Any]
+    posted: float
+    nbytes: int
+
+
+class InFlight(Generic[J]):
+    """Posted transfers, polled from their owner thread with backoff (20 us -> 1 ms)."""
+
+    def __init__(self) -> None:
+        self.moving: list[Moving[J]] = []
+        self._sleep = 0.0
+
+    def __len__(self) -> int:
+        return len(self.moving)
+
+    def add(self, job: J, posted: Posted, peer: Peer[Any], now: float) -> None:
+        self.moving.append(Moving(job, posted.transfer, peer, now, posted.nbytes))
+        self._sleep = 0.0
+
+    def wait_time(self) -> float | None:
+        """How long the owner may sleep: a little longer each idle round, None when idle."""
+        if not self.moving:
+            return None
+        self._sleep = min(max(self._sleep * 2, _FIRST_POLL_S), _MAX_POLL_S)
+        return self._sleep
+
+    def poll(self) -> list[tuple[Moving[J], TransferError | None]]:
+        """Transfers that ended since the last poll, released, with their error if any."""
+        ended: list[tuple[Moving[J], TransferError | None]] = []
+        still: list[Moving[J]] = []
+        for moving in self.moving:
+            try:
+                if not moving.transfer.poll():
+                    still.append(moving)
+                    continue
+                error = None
+            except TransferError as exc:
+                error = exc
+            moving.transfer.release()
+            ended.append((moving, error))
+        if ended:
+            self._sleep = 0.0
+        self.moving = still
+        return ended
+
+    def cancel(self, which: Callable[[J], bool]) -> None:
+        """Stop tracking the transfers of jobs `which` selects, releasing (cancelling) them."""
+        dropped = [m for m in self.moving if which(m.job)]
+        if dropped:
+            self.moving = [m for m in self.moving if not which(m.job)]
+            for moving in dropped:
+                if not moving.transfer.release():
+                    log.warning("%s could not be cancelled", moving.transfer.what)
+
+
+class PeerLoop(Loop, Generic[J]):
+    """A worker thread that talks to peers of `peer_role` and drives the transfers it posts."""
+
+    def __init__(self, worker: WorkerSide, name: str, peer_role: str) -> None:
+        super().__init__(worker, name)
+        self.peers: Peers[J] = Peers(worker, self.inbox, peer_role)
+        self.inflight: InFlight[J] = InFlight()
+
+    def stop(self) -> None:
+        super().stop()
+        self.peers.close()
+
+    def wait_time(self) -> float | None:
+        poll = self.inflight.wait_time()
+        return poll if poll is not None else super().wait_time()
+
+    def post(
+        self,
+        job: J,
+        op: Op,
+        peer: Peer[J],
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        num_tokens: int,
+        prefill_tokens: int,
+    ) -> None:
+        """`post_kv`, then track the transfer for `job` until `ended` reports it."""
+        try:
+            posted = post_kv(
+                self.worker, op, peer, local_blocks, remote_blocks, num_tokens, prefill_tokens
+            )
+        except TransferError as exc:
+            self.peers.lost(peer, exc)
+            raise
+        self.worker.results.observe(descriptors=float(posted.descriptors))
+        self.inflight.add(job, posted, peer, time.monotonic())
+
+    def ended(self) -> list[tuple[Moving[J], str]]:
+        """Transfers that ended since the last call, with what failed ("" if nothing)."""
+        out: list[tuple[Moving[J], str]] = []
+        for moving, error in self.inflight.poll():
+            if error is not None:
+                self.peers.lost(moving.peer, error)
+            out.append((moving, f"{error.kind}: {error}" if error else ""))
+        return out

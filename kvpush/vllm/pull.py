@@ -1,0 +1,124 @@
+"""Prefill, pull mode: keep finished prefills' blocks under a lease until decode read them.
+
+Decode initiates everything (see `receiver.py`); this side only answers. The lease state
+(`core.lease.Leases`) is shared by two threads under one lock: the control-server thread
+answers `ReadDone` and `LeaseRenew` on the spot - the answer tells decode whether the blocks
+were still held, i.e. whether what it read is valid - and this thread takes new leases from
+the engine loop and ends expired ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from kvpush.core.lease import Leases
+from kvpush.core.planning import peer_ranks
+from kvpush.core.protocol import (
+    MAX_TEXT_LEN,
+    Cancel,
+    LeaseRenew,
+    ReadDone,
+    Registration,
+    WriteDone,
+)
+from kvpush.core.rendezvous import LocalBlocks, ReleaseBlocks
+from kvpush.vllm.metadata import SendSpec
+from kvpush.vllm.peers import PeerLoop
+
+if TYPE_CHECKING:
+    from kvpush.vllm.worker import WorkerSide
+
+log = logging.getLogger("kvpush.worker")
+
+
+class LeaseKeeper(PeerLoop[None]):
+    """Prefill: lease finished prefills' blocks to decode until its READ is done."""
+
+    def __init__(self, worker: WorkerSide) -> None:
+        super().__init__(worker, "kvpush-pull-leases", "decode")
+        self.leases = Leases(worker.config.lease_s)
+        self.lock = threading.Lock()
+
+    def gauges(self) -> dict[str, float]:
+        with self.lock:
+            return {
+                "prefill_leases": self.leases.active,
+                "prefill_held_blocks": self.leases.held_blocks,
+            }
+
+    def next_deadline(self) -> float | None:
+        with self.lock:
+            return self.leases.next_deadline()
+
+    def handle(self, item: object, at: float) -> None:
+        with self.lock:
+            self._apply(item, time.monotonic())
+
+    def tick(self) -> None:
+        with self.lock:
+            expired = self.leases.expire(time.monotonic())
+        for release in expired:
+            log.warning("lease of transfer %s ended: %s", release.local.transfer_id, release.reason)
+        self._release(expired)
+
+    def answer(self, msg: ReadDone | LeaseRenew) -> ReadDone | LeaseRenew | Cancel:
+        """Control-server thread: apply `msg`; echo it if the blocks were held, else Cancel."""
+        ident = self.worker.identity
+        now = time.monotonic()
+        with self.lock:
+            self._absorb(now)
+            if isinstance(msg, ReadDone):
+                readers = len(peer_ranks(ident.tp_rank, ident.tp_size, msg.tp_size))
+                problem, released = self.leases.read_done(
+                    msg.transfer_id, msg.generation, msg.tp_rank, readers, msg.ok, msg.error, now
+                )
+            else:
+                problem, released = self.leases.renew(msg.transfer_id, msg.generation, now), []
+        self._release(released)
+        if problem is None:
+            return msg
+        log.warning("%s from decode refused: %s", type(msg).__name__, problem)
+        return Cancel(msg.transfer_id, msg.generation, problem[:MAX_TEXT_LEN])
+
+    def _absorb(self, now: float) -> None:
+        """Apply what the engine loop queued, so a lease granted a moment ago is known."""
+        while True:
+            try:
+                item, _ = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # stop() is waiting for the thread: leave its wake-up
+                self.inbox.put((None, 0.0))
+                return
+            self._apply(item, now)
+
+    def _apply(self, item: object, now: float) -> None:
+        if isinstance(item, SendSpec):
+            local = LocalBlocks(item.transfer_id, item.request_id, item.block_ids, item.num_tokens)
+            self._release(self.leases.hold(local, now))
+        elif isinstance(item, Registration):
+            self._refuse(item, now)
+
+    def _refuse(self, reg: Registration, now: float) -> None:
+        """A push-mode decode registered blocks: refuse clearly, and free ours at once."""
+        ident = self.worker.identity
+        why = (
+            f"mode mismatch: decode {reg.engine_id} ({reg.host}:{reg.port}) runs kvpush in push "
+            f"mode (it sent a Registration), prefill {ident.engine_id} in pull mode; set the "
+            "same kv_connector_extra_config.mode on prefill and decode, and the same proxy --mode"
+        )
+        log.error("refusing transfer %s: %s", reg.transfer_id, why)
+        self.worker.results.count("failures", "incompatible_peer")
+        self._release(self.leases.refuse(reg.transfer_id, why, now))
+        refusal = WriteDone(
+            reg.transfer_id, reg.generation, ident.tp_rank, ident.tp_size, False, why
+        )
+        self.peers.notify(reg.host, reg.port, refusal)
+
+    def _release(self, actions: list[ReleaseBlocks]) -> None:
+        for action in actions:
+            self.worker.results.sent(action.local.request_id)

@@ -1,0 +1,332 @@
+"""A prefill and a decode `WorkerSide` in one process: real threads, control channel and
+NIXL transfers (UCX over loopback) on vLLM-shaped CPU KV tensors, without vLLM's engine.
+
+The tests play the engine loop: they hand the workers the metadata the scheduler would
+build and collect `get_finished` the way vLLM does every step.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl)")
+
+from kvpush.vllm.config import KvpushConfig  # noqa: E402
+from kvpush.vllm.metadata import KvpushMetadata, RecvSpec, SendSpec  # noqa: E402
+from kvpush.vllm.worker import Identity, WorkerSide  # noqa: E402
+
+LAYERS, BLOCKS, HEADS, DIM = 2, 16, 2, 8
+PREFILL_BLOCKS = (5, 6, 7)
+NUM_TOKENS = 10
+
+
+def free_port(span: int = 2) -> int:
+    """A port with `span` free ports from it, below the kernel's ephemeral range (32768+), so
+    no outgoing connection of this process takes it before the control server binds it."""
+    while True:
+        port = random.randrange(20_000, 25_000)
+        try:
+            for offset in range(span):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        return port
+
+
+def kv_caches(block_size: int, seed: int | None, heads: int = HEADS) -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout, (num_blocks, 2, block_size, heads * dim); random or zeros."""
+    shape = (BLOCKS, 2, block_size, heads * DIM)
+    gen = torch.Generator().manual_seed(seed or 0)
+    return {
+        f"layer{i}": (torch.randn(shape, generator=gen) if seed else torch.zeros(shape)).to(
+            torch.bfloat16
+        )
+        for i in range(LAYERS)
+    }
+
+
+def tokens(caches: dict[str, torch.Tensor], blocks: tuple[int, ...], n: int) -> torch.Tensor:
+    """The first `n` tokens' K and V of every layer, as (layer, plane, token, heads*dim)."""
+    per_layer = []
+    for tensor in caches.values():
+        rows = torch.cat([tensor[b] for b in blocks], dim=1)  # (2, tokens, heads*dim)
+        per_layer.append(rows[:, :n])
+    return torch.stack(per_layer)
+
+
+@dataclass
+class Side:
+    worker: WorkerSide
+    caches: dict[str, torch.Tensor]
+    sending: set[str] = field(default_factory=set)
+    recving: set[str] = field(default_factory=set)
+    load_errors: set[int] = field(default_factory=set)
+
+    def step(self, meta: KvpushMetadata | None = None) -> None:
+        """One engine step's worth of connector calls."""
+        self.worker.start_load_kv(meta or KvpushMetadata())
+        sending, recving = self.worker.get_finished()
+        self.sending |= sending
+        self.recving |= recving
+        self.load_errors |= self.worker.get_block_ids_with_load_errors()
+
+
+@dataclass
+class Pair:
+    prefill: Side
+    decode: Side
+
+    def run_until(self, done: object, timeout: float = 10.0) -> float:
+        """Step both sides until `done()` is true; returns the seconds it took."""
+        assert callable(done)
+        started = time.monotonic()
+        while not done():
+            assert time.monotonic() - started < timeout, "timed out"
+            self.prefill.step()
+            self.decode.step()
+            time.sleep(0.001)
+        return time.monotonic() - started
+
+    def recv_spec(self, block_ids: tuple[int, ...] = (1, 9, 3), **over: object) -> RecvSpec:
+        fields: dict[str, object] = {
+            "transfer_id": "t1",
+            "request_id": "d1",
+            "block_ids": block_ids,
+            "num_tokens": NUM_TOKENS,
+            "prefill_host": "127.0.0.1",
+            "prefill_port": self.prefill.worker.port,
+            "prefill_tp": 1,
+            "generation": 0,
+            "remote_block_ids": PREFILL_BLOCKS,
+            "remote_num_tokens": NUM_TOKENS,
+        }
+        fields.update(over)
+        return RecvSpec(**fields)  # type: ignore[arg-type]
+
+
+def start_side(
+    role: str,
+    mode: str,
+    block_size: int,
+    seed: int | None,
+    tp: tuple[int, int] = (0, 1),
+    port: int = 0,
+    **config: float,
+) -> Side:
+    worker = WorkerSide(
+        KvpushConfig(mode=mode, port=port or free_port(), **config),  # type: ignore[arg-type]
+        Identity(f"{role}-0", role, "tiny", "bfloat16", *tp),
+    )
+    heads = HEADS // tp[1]
+    caches = kv_caches(block_size, seed, heads)
+    worker.register_kv_caches(caches, block_size, heads, DIM)
+    return Side(worker, caches)
+
+
+@pytest.fixture
+def pair_factory() -> Iterator[object]:
+    made: list[Pair] = []
+
+    def make(
+        prefill_mode: str = "pull",
+        decode_mode: str = "pull",
+        decode_block_size: int = 4,
+        **config: float,
+    ) -> Pair:
+        pair = Pair(
+            start_side("prefill", prefill_mode, 4, seed=1, **config),
+            start_side("decode", decode_mode, decode_block_size, seed=None, **config),
+        )
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        pair.decode.worker.shutdown()
+        pair.prefill.worker.shutdown()
+
+
+def send_spec() -> SendSpec:
+    return SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("decode_block_size", [4, 8], ids=["same-shape", "planned"])
+def test_kv_arrives_byte_exact_and_prefill_frees_its_blocks(
+    pair_factory: object, mode: str, decode_block_size: int
+) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(mode, mode, decode_block_size)
+    decode_blocks = (1, 9, 3) if decode_block_size == 4 else (1, 9)
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec(decode_blocks)]))
+    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert pair.decode.recving == {"d1"} and pair.prefill.sending == {"p1"}
+    assert pair.decode.load_errors == set()
+    moved = tokens(pair.decode.caches, decode_blocks, NUM_TOKENS)
+    assert torch.equal(moved, tokens(pair.prefill.caches, PREFILL_BLOCKS, NUM_TOKENS))
+    # transfer metrics are recorded by the side that initiates: prefill WRITEs, decode READs
+    initiator = pair.decode if mode == "pull" else pair.prefill
+    data = initiator.worker.stats_data()
+    assert len(data["bytes"]) == 1 and len(data["read_s" if mode == "pull" else "write_s"]) == 1
+    decode_data = data if mode == "pull" else pair.decode.worker.stats_data()
+    assert len(decode_data["wait_s"]) == 1 and not decode_data["failures"]
+    assert pair.prefill.worker.stats_data()["gauges"]["prefill_held_blocks"] == 0
+
+
+def test_pull_prefill_refuses_a_push_decode_naming_both_modes(pair_factory: object) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory("pull", "push")
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    took = pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert took < 2.0
+    assert pair.decode.load_errors == {1, 9, 3}, "decode's request fails"
+    assert pair.prefill.sending == {"p1"}, "prefill frees its blocks at once, not at lease end"
+    prefill = pair.prefill.worker.stats_data()
+    assert prefill["failures"] == {"incompatible_peer": 1}
+    assert pair.decode.worker.stats_data()["failures"] == {"receive_failed": 1}
+
+
+def test_pull_decode_refuses_a_push_prefill_at_the_handshake(
+    pair_factory: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory("push", "pull", lease_s=0.5)
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    took = pair.run_until(lambda: pair.decode.recving)
+    assert took < 2.0 and pair.decode.load_errors == {1, 9, 3}
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("runs in push mode, local in pull mode" in m for m in messages), messages
+    assert any("runs in pull mode, local in push mode" in m for m in messages), messages
+    failures = pair.decode.worker.stats_data()["failures"]
+    assert failures == {"incompatible_peer": 1, "receive_failed": 1}
+    pair.run_until(lambda: pair.prefill.sending)  # its lease for a registration ends
+
+
+def test_pull_lease_expires_when_no_decode_reads(pair_factory: object) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(lease_s=0.3)
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    took = pair.run_until(lambda: pair.prefill.sending)
+    assert 0.25 < took < 2.0
+    assert pair.prefill.worker.stats_data()["gauges"]["prefill_leases"] == 0
+
+
+def test_pull_read_after_the_lease_ended_fails_instead_of_using_reused_blocks(
+    pair_factory: object,
+) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(lease_s=0.2)
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.run_until(lambda: pair.prefill.sending)
+    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    pair.run_until(lambda: pair.decode.recving)
+    assert pair.decode.load_errors == {1, 9, 3}
+
+
+def test_pull_decode_renews_the_lease_while_it_waits(pair_factory: object) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(lease_s=0.4, transfer_timeout_s=5.0)
+    receiver, keeper = pair.decode.worker.receiver, pair.prefill.worker.keeper
+    assert receiver is not None and keeper is not None
+    # Hold decode's handshakes back (a slow first contact), so no READ starts for 1 s.
+    gates = [receiver.peers.handshakes.submit(time.sleep, 1.0) for _ in range(2)]
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    pair.run_until(lambda: pair.decode.recving, timeout=5.0)
+    assert all(gate.done() for gate in gates)
+    assert pair.decode.load_errors == set(), "renewals kept the 0.4 s lease alive"
+    with keeper.lock:
+        assert keeper.leases.stats.renewed >= 2
+    pair.run_until(lambda: pair.prefill.sending)
+    moved = tokens(pair.decode.caches, (1, 9, 3), NUM_TOKENS)
+    assert torch.equal(moved, tokens(pair.prefill.caches, PREFILL_BLOCKS, NUM_TOKENS))
+
+
+def test_pull_decode_abort_reports_the_request_and_frees_prefill(pair_factory: object) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory()
+    # a first transfer makes the peers known to each other
+    pair.prefill.step(KvpushMetadata(send=[SendSpec("t0", "p0", (1, 2, 3), NUM_TOKENS)]))
+    first = pair.recv_spec(transfer_id="t0", request_id="d0", remote_block_ids=(1, 2, 3))
+    pair.decode.step(KvpushMetadata(recv=[first]))
+    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    # decode's request ends before its READ is even posted
+    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()], aborted=[("t1", "d1")]))
+    took = pair.run_until(lambda: "d1" in pair.decode.recving and "p1" in pair.prefill.sending)
+    assert took < 2.0, "prefill freed its blocks on decode's ReadDone, not at lease end"
+    assert pair.decode.load_errors == set()
+
+
+def test_push_decode_abort_frees_its_blocks_once_no_write_can_land(pair_factory: object) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory("push", "push", transfer_timeout_s=0.5)
+    # decode registers and its request ends before prefill finished
+    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()], aborted=[("t1", "d1")]))
+    took = pair.run_until(lambda: pair.decode.recving)
+    assert 0.3 < took < 3.0, "reported once the registration's deadline passed"
+    assert pair.decode.load_errors == set()
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.run_until(lambda: pair.prefill.sending)  # decode gave up: freed at once
+    assert torch.count_nonzero(tokens(pair.decode.caches, (1, 9, 3), NUM_TOKENS)) == 0
+
+
+def test_pull_decode_with_twice_the_tp_reads_its_heads_and_frees_prefill_after_both(
+    pair_factory: object,
+) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory()  # prefill TP 1; its decode (TP 1) stays idle
+    port = free_port()
+    ranks = [start_side("decode", "pull", 4, None, tp=(r, 2), port=port) for r in (0, 1)]
+    try:
+        for side in ranks:
+            side.step(KvpushMetadata(recv=[pair.recv_spec()]))
+        pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+        started = time.monotonic()
+        while not (all(side.recving for side in ranks) and pair.prefill.sending):
+            assert time.monotonic() - started < 10, "timed out"
+            for side in (pair.prefill, *ranks):
+                side.step()
+            time.sleep(0.001)
+        source = tokens(pair.prefill.caches, PREFILL_BLOCKS, NUM_TOKENS)
+        for rank, side in enumerate(ranks):
+            assert side.load_errors == set()
+            heads = source[..., rank * DIM : (rank + 1) * DIM]
+            assert torch.equal(tokens(side.caches, (1, 9, 3), NUM_TOKENS), heads)
+        assert pair.prefill.worker.stats_data()["gauges"]["prefill_leases"] == 0
+    finally:
+        for side in ranks:
+            side.worker.shutdown()
+
+
+def test_a_peer_that_went_away_is_forgotten_so_the_next_transfer_handshakes_again(
+    pair_factory: object,
+) -> None:
+    from kvpush.dataplane.transport import TransferError
+
+    assert callable(pair_factory)
+    pair: Pair = pair_factory()
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    pair.run_until(lambda: pair.decode.recving)
+    receiver = pair.decode.worker.receiver
+    assert receiver is not None
+    peers = receiver.peers
+    peer = peers.get("127.0.0.1", pair.prefill.worker.port)
+    assert peer.hello is not None
+    peers.lost(peer, TransferError("timeout", "slow"))
+    assert peers.get("127.0.0.1", pair.prefill.worker.port) is peer, "only a vanished peer"
+    peers.lost(peer, TransferError("remote_disconnect", "gone"))
+    fresh = peers.get("127.0.0.1", pair.prefill.worker.port)
+    assert fresh is not peer and fresh.hello is None
