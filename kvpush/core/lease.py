@@ -15,7 +15,14 @@ as `ReleaseBlocks` actions, each lease released exactly once. The rules it keeps
 - `refuse` ends a transfer decode cannot read (e.g. it runs in the other mode): the lease
   is released now, or at once when its prefill finishes later;
 - an ended lease leaves a tombstone for `tombstone_s`, so late messages get a clear answer
-  and a refusal that arrived before its prefill finished is still honoured.
+  and a refusal that arrived before its prefill finished is still honoured;
+- a `read_done` or `renew` may arrive *before* `hold`: vLLM's scheduler keeps a finished
+  prefill's blocks from the moment it returns their coordinates, but tells its worker (and
+  so this machine) only in the next engine step, while the coordinates race ahead to
+  decode. Such a transfer is neither leased nor ended; its blocks are held, so the answer
+  is "valid", and what decode said is kept (`_Early`, until `lease_s`) and applied when
+  `hold` comes. Tombstones outlive any lease and decode's transfer timeout by far, so an
+  unknown id really is an early one.
 """
 
 from __future__ import annotations
@@ -45,6 +52,19 @@ class _Ended:
     alive: bool = True
 
 
+@dataclass(eq=False, slots=True)
+class _Early:
+    """Decode's messages for a transfer whose `hold` has not arrived yet."""
+
+    transfer_id: str
+    deadline: float
+    generation: int = -1
+    readers: int = 1
+    done: set[int] = field(default_factory=set)
+    failed: str | None = None
+    alive: bool = True
+
+
 @dataclass(slots=True)
 class LeaseStats:
     held: int = 0
@@ -54,12 +74,13 @@ class LeaseStats:
     expired: int = 0
     refused: int = 0
     stale: int = 0
+    early: int = 0
 
 
 class Leases:
     """Prefill-side leases of one TP rank, by transfer id."""
 
-    def __init__(self, lease_s: float = 30.0, tombstone_s: float = 60.0) -> None:
+    def __init__(self, lease_s: float = 30.0, tombstone_s: float = 600.0) -> None:
         if lease_s <= 0 or tombstone_s < 0:
             raise ValueError("lease_s must be positive and tombstone_s non-negative")
         self.lease_s = lease_s
@@ -68,7 +89,8 @@ class Leases:
         self._leases: dict[str, _Lease] = {}
         self._held_blocks = 0
         self._ended: dict[str, _Ended] = {}
-        self._deadlines: Deadlines[_Lease | _Ended] = Deadlines()
+        self._early: dict[str, _Early] = {}
+        self._deadlines: Deadlines[_Lease | _Ended | _Early] = Deadlines()
 
     @property
     def active(self) -> int:
@@ -97,12 +119,25 @@ class Leases:
         self._leases[transfer_id] = lease
         self._held_blocks += len(local.block_ids)
         self._deadlines.add(lease)
+        early = self._early.pop(transfer_id, None)
+        if early is None:
+            return []
+        early.alive = False
+        lease.generation, lease.done = early.generation, early.done
+        if early.failed is not None:
+            return [self._end(lease, f"decode gave up reading: {early.failed}", now)]
+        if len(lease.done) >= early.readers:
+            self.stats.read += 1
+            return [self._end(lease, "read by decode", now)]
         return []
 
     def renew(self, transfer_id: str, generation: int, now: float) -> str | None:
         """Extend the lease to `now + lease_s`; returns why not (None: renewed)."""
         lease, problem = self._current(transfer_id, generation)
         if lease is None:
+            if self._is_early(transfer_id):
+                self._early_record(transfer_id, generation, now)
+                return None
             return problem
         self.stats.renewed += 1
         lease.generation = generation
@@ -129,7 +164,15 @@ class Leases:
         """
         lease, problem = self._current(transfer_id, generation)
         if lease is None:
-            return problem, []
+            if not self._is_early(transfer_id):
+                return problem, []
+            early = self._early_record(transfer_id, generation, now)
+            early.readers = readers
+            if ok:
+                early.done.add(reader)
+            else:
+                early.failed = error
+            return None, []
         if generation > lease.generation:  # decode re-allocated: its ranks read again
             lease.generation = generation
             lease.done.clear()
@@ -159,7 +202,9 @@ class Leases:
         """Release every lease whose deadline is at or before `now`; drop old tombstones."""
         actions: list[ReleaseBlocks] = []
         for record in self._deadlines.pop_due(now):
-            if isinstance(record, _Lease):
+            if isinstance(record, _Early):
+                del self._early[record.transfer_id]
+            elif isinstance(record, _Lease):
                 self.stats.expired += 1
                 local = record.local
                 why = (
@@ -171,6 +216,20 @@ class Leases:
             else:
                 del self._ended[record.transfer_id]
         return actions
+
+    def _is_early(self, transfer_id: str) -> bool:
+        return transfer_id not in self._leases and transfer_id not in self._ended
+
+    def _early_record(self, transfer_id: str, generation: int, now: float) -> _Early:
+        early = self._early.get(transfer_id)
+        if early is None:
+            self.stats.early += 1
+            early = _Early(transfer_id, now + self.lease_s)
+            self._early[transfer_id] = early
+            self._deadlines.add(early)
+        if generation > early.generation:
+            early.generation, early.done, early.failed = generation, set(), None
+        return early
 
     def _current(self, transfer_id: str, generation: int) -> tuple[_Lease | None, str | None]:
         lease = self._leases.get(transfer_id)
