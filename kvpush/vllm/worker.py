@@ -75,6 +75,7 @@ class WorkerSide:
         self.keeper: LeaseKeeper | None = None
         self.receiver: Receiver | None = None
         self.hello: Hello | None = None
+        self._rejected_reported: dict[str, int] = {}
 
     @property
     def port(self) -> int:
@@ -190,8 +191,12 @@ class WorkerSide:
         data = self.results.take_data()
         self.timer.drain(data)
         if self.server is not None:
-            for kind, n in self.server.rejected.items():
-                data["rejected"][kind] = n
+            # The server keeps running totals; stats carry what is new since last time.
+            for kind, total in self.server.rejected.items():
+                new = total - self._rejected_reported.get(kind, 0)
+                if new:
+                    data["rejected"][kind] = data["rejected"].get(kind, 0) + new
+                    self._rejected_reported[kind] = total
         for part in self._parts:
             data["gauges"].update(part.gauges())
         return data

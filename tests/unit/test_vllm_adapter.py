@@ -227,3 +227,15 @@ def test_pull_decode_records_where_to_read_from() -> None:
     # the decode request finishing normally releases nothing of its own
     decode.update_connector_output(set(), {"d-1"})
     assert decode.request_finished(req, [4, 7]) == (False, None)  # type: ignore[arg-type]
+
+
+def test_rejected_message_counts_reach_stats_once() -> None:
+    from kvpush.vllm.worker import Identity, WorkerSide
+
+    worker = WorkerSide(KvpushConfig(), Identity("prefill-0", "prefill", "m", "bf16", 0, 1))
+    server = SimpleNamespace(rejected={"bad_mac": 3})
+    worker.server = server  # type: ignore[assignment]
+    assert worker.stats_data()["rejected"] == {"bad_mac": 3}
+    assert worker.stats_data()["rejected"] == {}, "running totals must not be re-counted"
+    server.rejected = {"bad_mac": 5, "too_large": 1}
+    assert worker.stats_data()["rejected"] == {"bad_mac": 2, "too_large": 1}
