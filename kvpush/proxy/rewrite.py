@@ -9,6 +9,7 @@ request id, and decode is told where prefill lives (engine id, side-channel host
 from __future__ import annotations
 
 import copy
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -164,3 +165,39 @@ def pull_decode_params(prefill_response: Any, prefill: Backend) -> dict[str, Any
             "with a KV connector in the producer role (--kv-transfer-config)?"
         )
     return params
+
+
+_KVPUSH_INFO = re.compile(r"^kvpush:info\{([^}]*)\}\s+1(?:\.0)?\s*$", re.MULTILINE)
+_MODE_LABEL = re.compile(r'\bmode="(push|pull)"')
+
+
+def kvpush_mode(metrics_text: str) -> str | None:
+    """The kvpush mode a vLLM server reports on /metrics (`kvpush:info`), if any."""
+    for labels in _KVPUSH_INFO.findall(metrics_text):
+        match = _MODE_LABEL.search(labels)
+        if match:
+            return match.group(1)
+    return None
+
+
+def mode_conflict(
+    proxy_mode: str,
+    prefill: Backend,
+    prefill_mode: str | None,
+    decode: Backend,
+    decode_mode: str | None,
+) -> str | None:
+    """Why this prefill/decode pair cannot hand KV over, from the modes they report."""
+    fix = "set the same kv_connector_extra_config.mode on prefill and decode, and that proxy --mode"
+    if prefill_mode and decode_mode and prefill_mode != decode_mode:
+        return (
+            f"mode mismatch: prefill {prefill.url} runs kvpush in {prefill_mode} mode, "
+            f"decode {decode.url} in {decode_mode} mode; {fix}"
+        )
+    pair_mode = prefill_mode or decode_mode
+    if pair_mode and pair_mode != proxy_mode:
+        return (
+            f"mode mismatch: the proxy runs --mode {proxy_mode}, but prefill {prefill.url} / "
+            f"decode {decode.url} run kvpush in {pair_mode} mode; {fix}"
+        )
+    return None

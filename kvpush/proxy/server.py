@@ -244,14 +244,21 @@ class Proxy:
         except BackendFailure as exc:
             self.metrics.requests.labels(mode, "backend_error").inc()
             self.metrics.errors.labels(exc.role, exc.backend.url, _error_kind(exc.status)).inc()
-            log.warning("request %s failed: %s", request_id, exc)
-            return await relay.fail(exc.client_status, str(exc), exc.backend.url)
+            message = str(exc)
+            if exc.role == "decode" and exc.status >= 500 and relay.prefill is not None:
+                # vLLM reports a failed KV handoff as a bare 500; if the pair's connectors
+                # disagree on the mode, say so (both servers report it on /metrics).
+                conflict = await self._mode_conflict(relay.prefill, exc.backend)
+                if conflict:
+                    message = f"{message}; {conflict}"
+            log.warning("request %s failed: %s", request_id, message)
+            return await relay.fail(exc.client_status, message, exc.backend.url)
         self.metrics.requests.labels(mode, "ok").inc()
         assert relay.response is not None
         return relay.response
 
     async def _pull(self, path: str, body: dict[str, Any], rid: str, relay: _Relay) -> None:
-        prefill = self.pools["prefill"].pick()
+        prefill = relay.prefill = self.pools["prefill"].pick()
         answer = await self._prefill(prefill, path, body, rewrite.pull_prefill_params(), rid)
         try:
             params = rewrite.pull_decode_params(answer, prefill)
@@ -261,7 +268,7 @@ class Proxy:
         await self._leg("decode", decode, path, rewrite.decode_body(body, params), rid, relay)
 
     async def _push(self, path: str, body: dict[str, Any], rid: str, relay: _Relay) -> None:
-        prefill = self.pools["prefill"].pick()
+        prefill = relay.prefill = self.pools["prefill"].pick()
         decode = self.pools["decode"].pick()
         decode_leg = rewrite.decode_body(body, rewrite.push_decode_params(prefill, rid))
         prefill_task = asyncio.ensure_future(
@@ -329,6 +336,19 @@ class Proxy:
             self.pools[role], self.metrics.in_flight.labels(role, backend.url), backend
         )
 
+    async def _mode_conflict(self, prefill: Backend, decode: Backend) -> str | None:
+        async def mode_of(backend: Backend) -> str | None:
+            try:
+                async with self.session.get(
+                    backend.url + "/metrics", timeout=aiohttp.ClientTimeout(total=1.0)
+                ) as resp:
+                    return rewrite.kvpush_mode(await resp.text()) if resp.status == 200 else None
+            except (TimeoutError, aiohttp.ClientError):
+                return None
+
+        modes = await asyncio.gather(mode_of(prefill), mode_of(decode))
+        return rewrite.mode_conflict(self.config.mode, prefill, modes[0], decode, modes[1])
+
     async def _models(self, request: web.Request) -> web.StreamResponse:
         backend = self.pools["decode"].pick()
         try:
@@ -388,6 +408,7 @@ class _Relay:
         self.started = started
         self.metrics = metrics
         self.response: web.StreamResponse | None = None
+        self.prefill: Backend | None = None  # the prefill this request went to
 
     async def forward(self, resp: aiohttp.ClientResponse, backend: Backend) -> None:
         content_type = resp.headers.get("Content-Type", "application/json")

@@ -29,6 +29,7 @@ class StubBackend:
     behaviour: StubBehaviour = field(default_factory=StubBehaviour)
     received: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
     cancelled: int = 0
+    metrics: str = ""  # what /metrics answers, e.g. a kvpush:info line
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -36,7 +37,11 @@ class StubBackend:
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.behaviour.status == 200 else 503)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MODES = ("push", "pull")
+# vLLM's kv_role -> the side kvpush plays.
+ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 
 
 @dataclass(frozen=True, slots=True)

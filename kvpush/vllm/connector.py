@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpush.vllm.config import KvpushConfig
+from kvpush.vllm.config import ROLES, KvpushConfig
 from kvpush.vllm.metadata import KvpushMetadata
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KvpushPromMetrics, KvpushStats
@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
-
 
 class KvpushConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
@@ -40,7 +38,7 @@ class KvpushConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.config = KvpushConfig.from_extra(dict(transfer.kv_connector_extra_config or {}))
-        if transfer.kv_role not in _ROLES:
+        if transfer.kv_role not in ROLES:
             raise ValueError(
                 f"kvpush needs kv_role 'kv_producer' (prefill) or 'kv_consumer' (decode), "
                 f"got {transfer.kv_role!r}"
@@ -64,7 +62,7 @@ class KvpushConnector(KVConnectorBase_V1):
                 self.config,
                 Identity(
                     engine_id=engine_id,
-                    role=_ROLES[transfer.kv_role],
+                    role=ROLES[transfer.kv_role],
                     model=str(model.model),
                     dtype=str(model.dtype).removeprefix("torch."),
                     tp_rank=get_tensor_model_parallel_rank(),

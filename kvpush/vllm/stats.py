@@ -18,6 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvpush.vllm.config import ROLES, KvpushConfig
+
 _SERIES = ("bytes", "descriptors", "reg_to_write_s", "write_s", "read_s", "wait_s")
 
 
@@ -172,6 +174,20 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "what"],
             multiprocess_mode="mostrecent",
         )
+        # Lets a router tell, from /metrics, which kvpush mode and role a server runs -
+        # from start-up on, before any request (the proxy names mode mismatches with it).
+        info = gauge(
+            name="kvpush:info",
+            documentation="kvpush connector identity (always 1): mode and role",
+            labelnames=[*labelnames, "mode", "role"],
+            multiprocess_mode="mostrecent",
+        )
+        transfer = self._kv_transfer_config
+        if transfer is not None:
+            mode = KvpushConfig.from_extra(dict(transfer.kv_connector_extra_config or {})).mode
+            role = ROLES.get(str(transfer.kv_role), str(transfer.kv_role))
+            for labels in self.per_engine_labelvalues.values():
+                info.labels(*labels, mode, role).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data

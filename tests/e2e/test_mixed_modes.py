@@ -1,9 +1,9 @@
 """A prefill in kvpush pull mode next to a decode in push mode: a deployment mistake.
 
 Requests routed to the pair must fail within seconds with the mismatch named (both modes
-and the fix) in both servers' logs, and both servers must keep serving. vLLM itself only
-tells the client "Internal server error" for a failed KV load, so the client-facing check
-is the time it takes to fail; the wording is checked where operators see it.
+and the fix) to the client and in both servers' logs, and both servers must keep serving.
+vLLM itself only tells the client "Internal server error" for a failed KV load; the proxy
+adds the mismatch, which both servers report on /metrics (kvpush:info).
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def test_a_mixed_pair_fails_fast_and_names_both_modes(
         answer = failure.value.read().decode()
     assert took < 10, f"the request took {took:.1f} s to fail: {answer}"
     assert failure.value.code == 502 and "decode backend" in answer, answer
+    # vLLM only says "Internal server error"; the proxy names the mismatch from /metrics.
+    assert "runs kvpush in pull mode" in answer and "in push mode" in answer, answer
     print(f"client saw, after {took:.2f} s: HTTP {failure.value.code} {answer}")
     for log, before in zip((prefill_log, decode_log), seen, strict=True):
         lines = [line for line in log.read_text().splitlines() if MISMATCH in line]

@@ -182,3 +182,21 @@ async def test_health_and_metrics_report_backends(rig: Rig) -> None:
 def test_push_config_without_coordinates_is_refused() -> None:
     with pytest.raises(ValueError, match="engine=ID,kv=HOST:PORT"):
         ProxyConfig(mode="push", prefill=[Backend("http://h:1")], decode=[Backend("http://h:2")])
+
+
+async def test_a_failed_handoff_between_mismatched_modes_is_named() -> None:
+    async for rig in make_rig("push"):
+        rig.prefill.metrics = 'kvpush:info{engine="0",mode="pull",role="prefill"} 1.0\n'
+        rig.decode.metrics = 'kvpush:info{engine="0",mode="push",role="decode"} 1.0\n'
+        rig.decode.behaviour = StubBehaviour(status=500)
+        resp = await rig.post(BODY)
+        message = (await resp.json())["error"]["message"]
+        assert resp.status == 502 and "decode backend" in message
+        assert "runs kvpush in pull mode" in message and "in push mode" in message
+
+
+async def test_a_plain_decode_failure_gets_no_mode_hint() -> None:
+    async for rig in make_rig("pull"):
+        rig.decode.behaviour = StubBehaviour(status=500)
+        message = (await (await rig.post(BODY)).json())["error"]["message"]
+        assert "mode mismatch" not in message

@@ -114,3 +114,25 @@ def test_request_ids_are_unique_and_keep_a_client_prefix() -> None:
     assert a != b
     assert rewrite.new_request_id("client-7").startswith("client-7-")
     assert "\n" not in rewrite.new_request_id("bad\nid")
+
+
+INFO = 'kvpush:info{engine="0",mode="%s",model_name="m",role="%s"} 1.0\n'
+
+
+def test_kvpush_mode_is_read_from_metrics_text() -> None:
+    text = "# HELP kvpush:info x\n" + INFO % ("pull", "prefill") + "vllm:other 3.0\n"
+    assert rewrite.kvpush_mode(text) == "pull"
+    assert rewrite.kvpush_mode("vllm:kv_cache_usage_perc 0.0\n") is None
+
+
+def test_mode_conflicts_name_both_values_and_the_fix() -> None:
+    decode = Backend("http://127.0.0.1:8200")
+    between = rewrite.mode_conflict("push", PREFILL, "pull", decode, "push")
+    assert between is not None
+    assert "prefill http://127.0.0.1:8100 runs kvpush in pull mode" in between
+    assert "decode http://127.0.0.1:8200 in push mode" in between
+    assert "set the same kv_connector_extra_config.mode" in between
+    with_proxy = rewrite.mode_conflict("pull", PREFILL, "push", decode, "push")
+    assert with_proxy is not None and "--mode pull" in with_proxy and "push mode" in with_proxy
+    assert rewrite.mode_conflict("push", PREFILL, "push", decode, "push") is None
+    assert rewrite.mode_conflict("push", PREFILL, None, decode, None) is None
