@@ -166,7 +166,7 @@ def test_requests_from_many_threads_get_their_own_replies(server: ControlServer)
         def worker(n: int) -> None:
             for i in range(20):
                 reply = client.request(LeaseRenew(f"t-{n}-{i}", i))
-                if reply != ReadDone(f"t-{n}-{i}", i, True, ""):
+                if reply != ReadDone(f"t-{n}-{i}", i, 0, 1, True, ""):
                     errors.append(f"{n}/{i}: {reply}")
 
         threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
