@@ -1,5 +1,9 @@
 """`kvpush bench`: measure connectors the way operators compare them.
 
+`kvpush bench sweep` runs `vllm bench serve` against every setup over a grid of request
+rates and input lengths (the articles' method) and `kvpush bench plot DIR` draws and
+tabulates the results.
+
 `kvpush bench hooks` answers "how much of the engine loop does the KV connector take?"
 (the articles' 14.7 ms per request). Each setup runs 1P1D under the same streaming load as
 `kvpush demo`, with its connector class wrapped by `kvpush.bench.timed`, which times every
@@ -12,16 +16,22 @@ start_load_kv).
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
+from pathlib import Path
 from typing import Any
 
+from kvpush.bench import plot, results, sweep
 from kvpush.plan.cli import format_table
 from kvpush.testbed import demo
+from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
+from kvpush.testbed.topology import MAIN_SETUPS, SETUPS
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: connector hook cost on the engine loop",
+        help="benchmarks: latency sweeps against vLLM's connectors, hook cost, plots",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -34,6 +44,209 @@ def register(subparsers: Any) -> None:
     )
     demo.add_arguments(hooks)
     hooks.set_defaults(func=run_hooks)
+    sweeper = tools.add_parser(
+        "sweep",
+        help="vllm bench serve over rates x input lengths for each setup, interleaved",
+        description=sweep.__doc__,
+        epilog=SWEEP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_sweep_arguments(sweeper)
+    sweeper.set_defaults(func=run_sweep)
+    plotter = tools.add_parser(
+        "plot",
+        help="plot TTFT/TPOT vs rate from a sweep's results and print the ratio table",
+        description=plot.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plotter.add_argument("dir", type=Path, help="a sweep's --out directory")
+    plotter.add_argument(
+        "--png", type=Path, default=None, help="where to write the figure (default DIR/sweep.png)"
+    )
+    plotter.set_defaults(func=run_plot)
+
+
+SWEEP_EPILOG = """example (about 40 minutes here):
+  kvpush bench sweep --setups kvpush-push,vllm-push,vllm-pull --rates 2,4,8 \\
+      --input-lens 256,1024 --output-len 32 --num-prompts 48 --iterations 3 --out results/sweep
+  kvpush bench plot results/sweep
+
+setups: {}
+Interrupt it at any time: run the same command again and it resumes.
+""".format(", ".join(SETUPS))
+
+
+def floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def add_sweep_arguments(
+    parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None
+) -> None:
+    """The sweep's options; `defaults` overrides some (the demo's smaller sweep)."""
+    d: dict[str, Any] = {
+        "setups": ",".join(MAIN_SETUPS),
+        "rates": "2,4,8",
+        "input_lens": "256,1024",
+        "output_len": 32,
+        "num_prompts": 48,
+        "iterations": 1,
+        "out": Path("results/sweep"),
+        **(defaults or {}),
+    }
+    parser.add_argument(
+        "--setups", default=d["setups"], help=f"comma-separated setups (default {d['setups']})"
+    )
+    parser.add_argument(
+        "--rates",
+        type=floats,
+        default=floats(d["rates"]),
+        help=f"request rates in requests/s, Poisson arrivals (default {d['rates']})",
+    )
+    parser.add_argument(
+        "--input-lens",
+        type=ints,
+        default=ints(d["input_lens"]),
+        help=f"prompt lengths in tokens (default {d['input_lens']})",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        default=d["output_len"],
+        help=f"output tokens per request, EOS ignored (default {d['output_len']})",
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=d["num_prompts"],
+        help=f"requests per run (default {d['num_prompts']})",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=d["iterations"],
+        help=f"repetitions of the whole grid, setups interleaved (default {d['iterations']})",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=d["out"], help=f"result directory (default {d['out']})"
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model directory (default: the tiny model, built under WORKDIR/models/tiny)",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="per server (default 8)")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="per server (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="the proxy's deadline per request; a request past it counts as a stall (default 30 s)",
+    )
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        help="wall-clock deadline of one run (default: prompts/rate + request timeout + 90 s)",
+    )
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    parser.add_argument("--kv-port", type=int, default=5600, help="first NIXL side-channel port")
+    parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
+    parser.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="on resume, also redo runs that stalled, failed or did not start",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="skip the plot and table at the end")
+
+
+def sweep_spec(args: argparse.Namespace) -> sweep.SweepSpec:
+    model = args.model or args.workdir / "models" / "tiny"
+    if args.model is None:
+        ensure_tiny_model(model, TinyModelSpec())
+    elif not (model / "config.json").exists():
+        raise ValueError(f"--model {model} holds no model (no config.json)")
+    return sweep.SweepSpec(
+        setups=[s.strip() for s in args.setups.split(",") if s.strip()],
+        rates=args.rates,
+        input_lens=args.input_lens,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        iterations=args.iterations,
+        out=args.out,
+        model=model,
+        workdir=args.workdir,
+        port=args.port,
+        kv_port=args.kv_port,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=args.kv_cache_gib,
+        seed=args.seed,
+        request_timeout=args.request_timeout,
+        run_timeout=args.run_timeout,
+        startup_timeout=args.startup_timeout,
+        retry_failed=args.retry_failed,
+    )
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    try:
+        spec = sweep_spec(args)
+    except ValueError as exc:
+        print(f"kvpush bench sweep: {exc}", file=sys.stderr)
+        return 2
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # so the servers of the current group are stopped
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        sweep.run_sweep(spec)
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted; finished runs are kept in {spec.out}; run the same command to resume",
+            file=sys.stderr,
+        )
+        return 130
+    if args.no_plot:
+        return 0
+    return show(spec.out, spec.out / "sweep.png")
+
+
+def show(directory: Path, png: Path) -> int:
+    """Print the table of a result directory and draw its figure; 1 if there is nothing."""
+    rows = results.aggregate(results.load_results(directory))
+    if not rows:
+        print(f"kvpush bench plot: no sweep results in {directory}", file=sys.stderr)
+        return 1
+    print(plot.table(rows))
+    plot.draw(rows, png, title=f"kvpush bench sweep: {directory}")
+    print(f"\nfigure: {png}")
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    try:
+        return show(args.dir, args.png or args.dir / "sweep.png")
+    except FileNotFoundError as exc:
+        print(f"kvpush bench plot: {exc}", file=sys.stderr)
+        return 2
 
 
 def hook_totals(ledger: dict[str, Any], role: str) -> tuple[float, int]:

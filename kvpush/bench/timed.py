@@ -109,6 +109,11 @@ def timed_class(base: type) -> type:
     def __init__(self: Any, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         role_name = "scheduler" if "SCHEDULER" in str(role) else "worker"
         self._kvpush_ledger = HookLedger(role_name)
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        if transfer is not None and (transfer.kv_connector_extra_config or {}).get("nospin"):
+            from kvpush.bench.nospin import install
+
+            install()  # a *-nospin setup, timed: quiet the agent before vLLM builds it
         super(cls, self).__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
 
     namespace: dict[str, Any] = {"__init__": __init__}

@@ -32,6 +32,7 @@ from kvpush.bench.timed import read_ledgers
 from kvpush.plan.cli import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_corpus
 from kvpush.testbed.topology import (
+    MAIN_SETUPS,
     SETUPS,
     StartupError,
     StartupProgress,
@@ -276,7 +277,7 @@ def root_cause(log: str) -> str:
 
 def demo_setups(requested: str | None) -> list[str]:
     """The setups to run, in order; raises ValueError naming an unknown one."""
-    names = [n.strip() for n in (requested or ",".join(SETUPS)).split(",") if n.strip()]
+    names = [n.strip() for n in (requested or ",".join(MAIN_SETUPS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in SETUPS]
     if unknown or not names:
         raise ValueError(
@@ -528,7 +529,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--setups",
         default=None,
-        help=f"comma-separated setups (default: {','.join(SETUPS)}; those whose connector "
+        help=f"comma-separated setups (default: {','.join(MAIN_SETUPS)}; also "
+        f"{', '.join(s for s in SETUPS if s not in MAIN_SETUPS)}; those whose connector "
         "module is not installed are skipped)",
     )
     parser.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")

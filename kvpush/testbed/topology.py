@@ -67,6 +67,24 @@ SETUPS: dict[str, ConnectorSetup] = {
             prefill_role="kv_producer",
             decode_role="kv_consumer",
         ),
+        # vLLM's connectors as shipped, but with NIXL's progress thread kept from spinning
+        # (kvpush.bench.nospin): separates what the design costs from what the spin costs.
+        ConnectorSetup(
+            "vllm-pull-nospin",
+            "pull",
+            "NixlConnector",
+            module_path="kvpush.bench.nospin",
+            extra_config=(("nospin", True),),
+        ),
+        ConnectorSetup(
+            "vllm-push-nospin",
+            "push",
+            "NixlPushConnector",
+            module_path="kvpush.bench.nospin",
+            prefill_role="kv_producer",
+            decode_role="kv_consumer",
+            extra_config=(("nospin", True),),
+        ),
         ConnectorSetup(
             "kvpush-push",
             "push",
@@ -87,6 +105,10 @@ SETUPS: dict[str, ConnectorSetup] = {
         ),
     )
 }
+
+
+# The setups a demo or sweep runs unless told otherwise: each connector as shipped.
+MAIN_SETUPS = ("vllm-pull", "vllm-push", "kvpush-push", "kvpush-pull")
 
 
 def resolve_setup(name: str) -> ConnectorSetup:

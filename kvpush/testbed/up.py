@@ -25,6 +25,9 @@ setups:
   vllm-push    vLLM's NixlPushConnector (decode registers first, prefill WRITEs)
   kvpush-push  kvpush's connector in push mode
   kvpush-pull  kvpush's connector in pull mode
+  vllm-pull-nospin, vllm-push-nospin
+               vLLM's connectors with NIXL's progress thread kept from spinning
+               (kvpush.bench.nospin): the same code, one core less busy
 
 ports: the proxy listens on --port; prefill i on PORT+100+i, decode j on PORT+200+j;
 NIXL side channels on KV_PORT, KV_PORT+1, ...; logs go to WORKDIR/logs/.

@@ -1,0 +1,244 @@
+"""Result files of `kvpush bench sweep`: naming, parsing `vllm bench serve` output, loading.
+
+One run is one connector setup at one request rate, input length, output length and
+iteration. It is written to `<out>/<setup>_qps<rate>_in<in>_out<out>_iter<i>.json` (and the
+log of the run next to it, `.log`), whatever happened: a run that stalled, errored or whose
+servers never started is a result too, with `status` and `reason` saying so. A sweep that
+finds a run's file already there does not redo it, which is how an interrupted sweep resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "kvpush.bench.run/1"
+# What a run can end as. Only "ok" runs give latency numbers; the rest give a reason.
+STATUSES = ("ok", "failed", "stalled", "not started", "server died", "error")
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Point:
+    """One run of a sweep."""
+
+    iteration: int
+    setup: str
+    input_len: int
+    rate: float
+    output_len: int
+
+    @property
+    def stem(self) -> str:
+        return (
+            f"{self.setup}_qps{self.rate:g}_in{self.input_len}_out{self.output_len}"
+            f"_iter{self.iteration}"
+        )
+
+    def path(self, out: Path) -> Path:
+        return out / f"{self.stem}.json"
+
+    def log_path(self, out: Path) -> Path:
+        return out / f"{self.stem}.log"
+
+
+def plan(
+    setups: Sequence[str],
+    rates: Sequence[float],
+    input_lens: Sequence[int],
+    output_len: int,
+    iterations: int,
+) -> list[tuple[int, str, list[Point]]]:
+    """Groups of runs in the order a sweep makes them: (iteration, setup, points).
+
+    Setups are interleaved across iterations (A B C A B C ...), so drift of the machine
+    over the sweep hits every setup alike; one group shares one start of the servers.
+    """
+    groups = []
+    for iteration in range(1, iterations + 1):
+        for setup in setups:
+            points = [
+                Point(iteration, setup, input_len, rate, output_len)
+                for input_len in input_lens
+                for rate in rates
+            ]
+            groups.append((iteration, setup, points))
+    return groups
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """A run's result, or None when the file is missing, torn or not one of ours."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return None
+    return data
+
+
+def read_raw(path: Path) -> dict[str, Any] | None:
+    """The JSON `vllm bench serve --save-result` wrote, or None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_done(point: Point, out: Path, retry_failed: bool = False) -> bool:
+    """Whether a resumed sweep may skip this run."""
+    result = read_result(point.path(out))
+    if result is None:
+        return False
+    return result.get("status") == "ok" or not retry_failed
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """Atomically: a sweep killed mid-write leaves the old file or none, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def load_results(directory: Path) -> list[dict[str, Any]]:
+    """Every run result under `directory` (other JSON files are ignored)."""
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory of sweep results")
+    results = []
+    for path in sorted(directory.glob("*.json")):
+        result = read_result(path)
+        if result is not None:
+            results.append(result)
+    return results
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def summarise_bench(raw: dict[str, Any]) -> dict[str, Any]:
+    """The numbers we keep from one `vllm bench serve --save-result` JSON.
+
+    Latencies in ms as mean / p50 / p99 for TTFT, TPOT, ITL and E2E latency; requests
+    completed and failed; throughputs; and the most common error messages.
+    """
+    summary: dict[str, Any] = {}
+    for metric in METRICS:
+        summary[metric] = {
+            "mean": _finite(raw.get(f"mean_{metric}_ms")),
+            "p50": _finite(raw.get(f"median_{metric}_ms", raw.get(f"p50_{metric}_ms"))),
+            "p99": _finite(raw.get(f"p99_{metric}_ms")),
+        }
+    completed = int(raw.get("completed") or 0)
+    failed = raw.get("failed")
+    if failed is None and raw.get("num_prompts") is not None:
+        failed = int(raw["num_prompts"]) - completed
+    summary["completed"] = completed
+    summary["failed"] = int(failed or 0)
+    summary["duration_s"] = _finite(raw.get("duration"))
+    for key in ("request_throughput", "output_throughput", "total_token_throughput"):
+        summary[key] = _finite(raw.get(key))
+    errors = [e for e in raw.get("errors") or [] if e]
+    summary["errors"] = [
+        {"error": text[:300], "count": n} for text, n in Counter(errors).most_common(3)
+    ]
+    if completed == 0:
+        # vLLM reports 0 for every latency when nothing completed; that is no measurement.
+        for metric in METRICS:
+            summary[metric] = {"mean": None, "p50": None, "p99": None}
+    return summary
+
+
+def classify(summary: dict[str, Any], num_prompts: int) -> tuple[str, str | None]:
+    """(status, reason) of a run whose `vllm bench serve` finished."""
+    failed = summary["failed"]
+    if failed == 0 and summary["completed"] >= num_prompts:
+        return "ok", None
+    errors = summary.get("errors") or []
+    top = errors[0]["error"] if errors else "no error message"
+    timed_out = any(_is_timeout(e["error"]) for e in errors)
+    status = "stalled" if timed_out else "failed"
+    what = "timed out" if timed_out else "failed"
+    return status, f"{failed} of {num_prompts} requests {what}; most common error: {top}"
+
+
+def _is_timeout(error: str) -> bool:
+    lowered = error.lower()
+    return "timeout" in lowered or "timed out" in lowered or "504" in lowered
+
+
+@dataclass(slots=True)
+class Aggregate:
+    """The runs of one setup at one point, over iterations."""
+
+    setup: str
+    input_len: int
+    rate: float
+    runs: int
+    ok: int
+    statuses: list[str]
+    reasons: list[str]
+    ttft_p50: float | None
+    ttft_p99: float | None
+    tpot_p50: float | None
+    tpot_p99: float | None
+    throughput: float | None
+
+    @property
+    def status(self) -> str:
+        """'ok' when every iteration was; else the worst thing that happened."""
+        if self.ok == self.runs:
+            return "ok"
+        for status in ("not started", "server died", "stalled", "error", "failed"):
+            if status in self.statuses:
+                return status
+        return self.statuses[0]
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+
+
+def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
+    """Medians over iterations of the ok runs, per (setup, input length, rate)."""
+    groups: dict[tuple[str, int, float], list[dict[str, Any]]] = {}
+    for result in results:
+        key = (result["setup"], int(result["input_len"]), float(result["rate"]))
+        groups.setdefault(key, []).append(result)
+    rows = []
+    for (setup, input_len, rate), runs in sorted(groups.items()):
+        good = [r for r in runs if r["status"] == "ok"]
+
+        def mid(metric: str, stat: str, good: list[dict[str, Any]] = good) -> float | None:
+            return median((r.get(metric) or {}).get(stat) for r in good)
+
+        rows.append(
+            Aggregate(
+                setup,
+                input_len,
+                rate,
+                len(runs),
+                len(good),
+                [r["status"] for r in runs],
+                [r["reason"] for r in runs if r.get("reason")],
+                mid("ttft", "p50"),
+                mid("ttft", "p99"),
+                mid("tpot", "p50"),
+                mid("tpot", "p99"),
+                median(r.get("request_throughput") for r in good),
+            )
+        )
+    return rows

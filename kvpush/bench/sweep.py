@@ -1,0 +1,529 @@
+"""`kvpush bench sweep`: the articles' method, against vLLM's own connectors, in one run.
+
+For every setup the sweep starts a 1P1D topology with the code `kvpush up` uses (prefill and
+decode vLLM servers, prefix caching off on decode, our proxy in front), warms it up, and
+runs `vllm bench serve` (random dataset, fixed seed, `--ignore-eos`) at every request rate x
+input length, with a fixed output length and prompt count. Setups are interleaved across
+iterations (A B C A B C ...). Around each run it scrapes both servers' /metrics (our
+connector's counters, vLLM's external-KV token counter) and samples decode's waiting
+queue twice a second.
+
+Each run ends in a result file, `OUT/<setup>_qps<q>_in<in>_out<out>_iter<i>.json`, plus its
+log. A run that stalls, errors or cannot start is recorded as such with the reason, and the
+sweep goes on: every request has the proxy's deadline (--request-timeout) and every run a
+wall-clock deadline. Files already in OUT are not redone, so an interrupted sweep resumes
+where it stopped (--retry-failed also redoes the runs that were not ok).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench import results as res
+from kvpush.bench.results import Point
+from kvpush.testbed import scrape
+from kvpush.testbed.topology import (
+    SETUPS,
+    StartupError,
+    StartupProgress,
+    Topology,
+    TopologyConfig,
+)
+
+# Counters kept as deltas over a run, besides every kvpush:* sample.
+VLLM_COUNTERS = (
+    "vllm:prompt_tokens_by_source_total",
+    "vllm:request_success_total",
+    "vllm:num_preemptions_total",
+)
+
+
+@dataclass(slots=True)
+class SweepSpec:
+    setups: list[str]
+    rates: list[float]
+    input_lens: list[int]
+    output_len: int
+    num_prompts: int
+    iterations: int
+    out: Path
+    model: Path
+    workdir: Path = Path(".kvpush")
+    port: int = 8000
+    kv_port: int = 5600
+    max_num_seqs: int = 8
+    kv_cache_gib: float = 1.0
+    seed: int = 0
+    request_timeout: float = 60.0
+    run_timeout: float | None = None
+    startup_timeout: float = 300.0
+    retry_failed: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.setups if s not in SETUPS]
+        if unknown or not self.setups:
+            raise ValueError(
+                f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
+                f"choose from {', '.join(SETUPS)}"
+            )
+        if not self.rates or any(r <= 0 for r in self.rates):
+            raise ValueError("--rates: give one or more request rates > 0 (requests/s)")
+        if not self.input_lens or any(n < 1 for n in self.input_lens):
+            raise ValueError("--input-lens: give one or more prompt lengths >= 1 (tokens)")
+        if self.output_len < 1 or self.num_prompts < 1 or self.iterations < 1:
+            raise ValueError("--output-len, --num-prompts and --iterations must be >= 1")
+        if self.request_timeout <= 0 or (self.run_timeout is not None and self.run_timeout <= 0):
+            raise ValueError("--request-timeout and --run-timeout must be > 0 seconds")
+
+    def deadline(self, point: Point) -> float:
+        """Wall-clock limit of one run: arrivals + the slowest request + start-up slack."""
+        if self.run_timeout is not None:
+            return self.run_timeout
+        return self.num_prompts / point.rate + self.request_timeout + 90.0
+
+    def points(self) -> list[Point]:
+        return [p for _, _, ps in self.groups() for p in ps]
+
+    def groups(self) -> list[tuple[int, str, list[Point]]]:
+        return res.plan(self.setups, self.rates, self.input_lens, self.output_len, self.iterations)
+
+
+def bench_command(spec: SweepSpec, point: Point, url: str, raw_dir: Path) -> list[str]:
+    """The `vllm bench serve` command line of one run."""
+    return [
+        sys.executable,
+        "-m",
+        "kvpush.bench.vllm_cli",
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        str(spec.model),
+        "--tokenizer",
+        str(spec.model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(point.input_len),
+        "--random-output-len",
+        str(point.output_len),
+        "--random-range-ratio",
+        "0",
+        "--num-prompts",
+        str(spec.num_prompts),
+        "--request-rate",
+        f"{point.rate:g}",
+        "--seed",
+        str(spec.seed),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--ready-check-timeout-sec",
+        "0",
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(raw_dir),
+        "--result-filename",
+        f"{point.stem}.vllm.json",
+    ]
+
+
+# -- the proxy, in a thread of this process ------------------------------------------------
+
+
+class ProxyThread:
+    """Our proxy on its own event loop, for the duration of one group of runs."""
+
+    def __init__(self, topology: Topology, port: int, request_timeout: float) -> None:
+        self.topology, self.port, self.request_timeout = topology, port, request_timeout
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.runner: Any = None
+        self.thread = threading.Thread(target=self._main, name="kvpush-proxy", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ProxyThread:
+        self.thread.start()
+        self.ready.wait()
+        if self.error is not None:
+            raise StartupError(f"the proxy did not start on port {self.port}: {self.error!r}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.runner is not None:
+            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            from kvpush.proxy.server import ProxyConfig, start_proxy
+
+            prefill, decode = self.topology.proxy_backends()
+            config = ProxyConfig(
+                mode=SETUPS[self.topology.config.setup or ""].proxy_mode,
+                prefill=prefill,
+                decode=decode,
+                request_timeout=self.request_timeout,
+            )
+            self.runner = self.loop.run_until_complete(start_proxy(config, "127.0.0.1", self.port))
+        except Exception as exc:  # reported by __enter__, in the sweep's own thread
+            self.error = exc
+        finally:
+            self.ready.set()
+        if self.error is None:
+            self.loop.run_forever()
+        self.loop.close()
+
+
+# -- metrics around a run ------------------------------------------------------------------
+
+
+class QueueSampler:
+    """Samples decode's waiting and running queues twice a second during a run."""
+
+    def __init__(self, url: str, every: float = 0.5) -> None:
+        self.url, self.every = url, every
+        self.waiting: list[float] = []
+        self.running: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="kvpush-sampler", daemon=True)
+
+    def __enter__(self) -> QueueSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every):
+            with contextlib.suppress(OSError, ValueError):
+                samples = scrape.scrape(self.url, timeout=2.0)
+                self.waiting.append(scrape.total(samples, "vllm:num_requests_waiting"))
+                self.running.append(scrape.total(samples, "vllm:num_requests_running"))
+
+    def summary(self) -> dict[str, Any]:
+        def stats(values: list[float]) -> dict[str, float | None]:
+            if not values:
+                return {"max": None, "mean": None}
+            return {"max": max(values), "mean": sum(values) / len(values)}
+
+        return {
+            "samples": len(self.waiting),
+            "waiting": stats(self.waiting),
+            "running": stats(self.running),
+        }
+
+
+def safe_scrape(url: str) -> dict[scrape.Sample, float]:
+    try:
+        return scrape.scrape(url, timeout=3.0)
+    except (OSError, ValueError):
+        return {}
+
+
+def metric_deltas(
+    before: dict[scrape.Sample, float], after: dict[scrape.Sample, float]
+) -> dict[str, float]:
+    """Changes of our counters and a few of vLLM's over a run, as 'name{labels}': delta."""
+    deltas = {}
+    for (name, labels), value in after.items():
+        if not (name.startswith("kvpush:") or name in VLLM_COUNTERS):
+            continue
+        if name.startswith("kvpush:") and (name.endswith("_bucket") or name == "kvpush:info"):
+            continue
+        delta = value - before.get((name, labels), 0.0)
+        if delta:
+            label_text = ",".join(f'{k}="{v}"' for k, v in labels)
+            deltas[f"{name}{{{label_text}}}" if labels else name] = round(delta, 6)
+    return deltas
+
+
+# -- one run ---------------------------------------------------------------------------------
+
+
+def run_point(spec: SweepSpec, point: Point, topology: Topology, proxy_url: str) -> dict[str, Any]:
+    """Run `vllm bench serve` once and return the run's result record."""
+    raw_dir = spec.out / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    raw_path = raw_dir / f"{point.stem}.vllm.json"
+    raw_path.unlink(missing_ok=True)
+    command = bench_command(spec, point, proxy_url, raw_dir)
+    decode_url, prefill_url = topology.decode[0].url, topology.prefill[0].url
+    before = {"decode": safe_scrape(decode_url), "prefill": safe_scrape(prefill_url)}
+    deadline = spec.deadline(point)
+    started = time.time()
+    status: str | None = None
+    reason: str | None = None
+    log_path = point.log_path(spec.out)
+    with open(log_path, "wb") as log, QueueSampler(decode_url) as sampler:
+        log.write(("$ " + " ".join(command) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            code = None
+            status = "stalled"
+            reason = (
+                f"vllm bench serve was still running at the run's {deadline:.0f} s deadline "
+                "(requests never finished); killed"
+            )
+    elapsed = time.time() - started
+    after = {"decode": safe_scrape(decode_url), "prefill": safe_scrape(prefill_url)}
+    summary: dict[str, Any] = {}
+    raw = res.read_raw(raw_path)
+    if raw is not None:
+        summary = res.summarise_bench(raw)
+        if status is None:
+            status, reason = res.classify(summary, spec.num_prompts)
+    elif status is None:
+        status = "error"
+        reason = f"vllm bench serve exited with code {code} and wrote no result: " + (
+            _last_error(log_path) or f"see {log_path}"
+        )
+    try:
+        topology.check_alive()
+    except StartupError as exc:
+        status, reason = "server died", str(exc).splitlines()[0]
+    return {
+        **record_head(spec, point),
+        "status": status,
+        "reason": reason,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "wall_s": round(elapsed, 2),
+        "deadline_s": round(deadline, 1),
+        **summary,
+        "decode_queue": sampler.summary(),
+        "metrics": {
+            role: metric_deltas(before[role], after[role]) for role in ("decode", "prefill")
+        },
+        "command": command,
+        "log": log_path.name,
+    }
+
+
+def record_head(spec: SweepSpec, point: Point) -> dict[str, Any]:
+    return {
+        "schema": res.SCHEMA,
+        "setup": point.setup,
+        "rate": point.rate,
+        "input_len": point.input_len,
+        "output_len": point.output_len,
+        "iteration": point.iteration,
+        "num_prompts": spec.num_prompts,
+        "max_num_seqs": spec.max_num_seqs,
+        "model": str(spec.model),
+        "seed": spec.seed,
+    }
+
+
+def not_run(spec: SweepSpec, point: Point, status: str, reason: str) -> dict[str, Any]:
+    """The record of a run that could not happen (servers did not start, warm-up failed)."""
+    return {**record_head(spec, point), "status": status, "reason": reason, "completed": 0}
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+            return
+
+
+def _last_error(log_path: Path) -> str | None:
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line.strip()[:300]
+    return None
+
+
+# -- the sweep -------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line bar after each run: where the sweep is, and an ETA from its pace so far."""
+
+    def __init__(self, total: int, done: int, width: int = 24) -> None:
+        self.total, self.done, self.width = total, done, width
+        self.started = time.monotonic()
+        self.ran = 0
+
+    def eta(self) -> str:
+        if self.ran == 0:
+            return "?"
+        left = (self.total - self.done) * (time.monotonic() - self.started) / self.ran
+        return format_duration(left)
+
+    def advance(self, ran: bool = True) -> None:
+        self.done += 1
+        self.ran += int(ran)
+
+    def bar(self) -> str:
+        filled = round(self.width * self.done / self.total) if self.total else self.width
+        return (
+            f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} runs, "
+            f"{format_duration(time.monotonic() - self.started)} elapsed, ETA {self.eta()}"
+        )
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def describe(result: dict[str, Any]) -> str:
+    if result["status"] != "ok":
+        return f"{result['status']}: {result.get('reason')}"
+    ttft, tpot = result.get("ttft") or {}, result.get("tpot") or {}
+    return (
+        f"ok, TTFT p50 {_ms(ttft.get('p50'))} p99 {_ms(ttft.get('p99'))}, "
+        f"TPOT p50 {_ms(tpot.get('p50'))} ms, {result.get('request_throughput') or 0:.2f} req/s"
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+Say = Callable[[str], None]
+
+
+def run_sweep(spec: SweepSpec, say: Say = print) -> list[dict[str, Any]]:
+    """Run every group not already done; returns the results written this time."""
+    spec.out.mkdir(parents=True, exist_ok=True)
+    points = spec.points()
+    todo = [p for p in points if not res.is_done(p, spec.out, spec.retry_failed)]
+    say(
+        f"kvpush bench sweep: {len(points)} runs ({len(spec.setups)} setups x "
+        f"{len(spec.rates)} rates x {len(spec.input_lens)} input lengths x "
+        f"{spec.iterations} iterations), {len(points) - len(todo)} already in {spec.out}"
+    )
+    progress = Progress(len(points), len(points) - len(todo))
+    written = []
+    for iteration, setup, group in spec.groups():
+        pending = [p for p in group if p in todo]
+        if not pending:
+            continue
+        say(f"\n== iteration {iteration}, {setup}: {len(pending)} runs")
+        written += run_group(spec, setup, pending, progress, say)
+    say(f"\nsweep finished: {progress.bar()}")
+    return written
+
+
+def run_group(
+    spec: SweepSpec, setup: str, points: Sequence[Point], progress: Progress, say: Say
+) -> list[dict[str, Any]]:
+    """One start of the servers for a setup's runs; restarted after a stall or a crash."""
+    written: list[dict[str, Any]] = []
+    queue = list(points)
+    while queue:
+        config = TopologyConfig(
+            model=spec.model,
+            setup=setup,
+            port=spec.port,
+            kv_port=spec.kv_port,
+            eager=True,
+            max_num_seqs=spec.max_num_seqs,
+            kv_cache_gib=spec.kv_cache_gib,
+            workdir=spec.workdir / "sweep" / setup,
+            extra_env={
+                "VLLM_CACHE_ROOT": str((spec.workdir / "vllm-cache").resolve()),
+                **spec.extra_env,
+            },
+        )
+        topology = Topology(config)
+        try:
+            topology.start()
+            took = topology.wait_healthy(spec.startup_timeout, StartupProgress(f"[{setup}] "))
+            say(f"  [{setup}] servers healthy after {took:.0f} s")
+            with ProxyThread(topology, spec.port, spec.request_timeout) as proxy:
+                from kvpush.testbed.up import warm_up
+
+                error = asyncio.run(warm_up(proxy.url, str(spec.model)))
+                if error:
+                    reason = f"warm-up through the proxy failed: {error}"
+                    say(f"  [{setup}] {reason}")
+                    written += _record_all(spec, queue, "failed", reason, progress, say)
+                    return written
+                while queue:
+                    point = queue.pop(0)
+                    say(
+                        f"  [{setup}] qps {point.rate:g}, {point.input_len} in / "
+                        f"{point.output_len} out, {spec.num_prompts} prompts ..."
+                    )
+                    result = run_point(spec, point, topology, proxy.url)
+                    res.write_result(point.path(spec.out), result)
+                    written.append(result)
+                    progress.advance()
+                    say(f"  [{setup}] {describe(result)}\n  {progress.bar()}")
+                    if result["status"] in ("stalled", "server died") and queue:
+                        say(f"  [{setup}] restarting the servers for the next runs")
+                        break
+        except StartupError as exc:
+            reason = str(exc).splitlines()[0]
+            say(f"  [{setup}] did not start: {reason}")
+            written += _record_all(spec, queue, "not started", reason, progress, say)
+            return written
+        finally:
+            topology.stop()
+    return written
+
+
+def _record_all(
+    spec: SweepSpec, points: list[Point], status: str, reason: str, progress: Progress, say: Say
+) -> list[dict[str, Any]]:
+    written = []
+    for point in points:
+        record = not_run(spec, point, status, reason)
+        res.write_result(point.path(spec.out), record)
+        written.append(record)
+        progress.advance(ran=False)
+    points.clear()
+    say(f"  {progress.bar()}")
+    return written

@@ -1,0 +1,244 @@
+"""`kvpush bench sweep` / `plot` without servers: naming, parsing, resume, aggregation, plots."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.bench import plot, results, sweep
+from kvpush.bench.results import Point
+from kvpush.cli import main
+
+DATA = Path(__file__).parent.parent / "data"
+
+
+def raw() -> dict[str, Any]:
+    """A real `vllm bench serve --save-result` file (kvpush-push, 16 prompts, trimmed)."""
+    data: dict[str, Any] = json.loads((DATA / "vllm_bench_serve.json").read_text())
+    return data
+
+
+def record(point: Point, status: str = "ok", ttft: float = 10.0, tpot: float = 2.0) -> dict:
+    base = {
+        "schema": results.SCHEMA,
+        "setup": point.setup,
+        "rate": point.rate,
+        "input_len": point.input_len,
+        "output_len": point.output_len,
+        "iteration": point.iteration,
+        "num_prompts": 16,
+        "status": status,
+        "reason": None if status == "ok" else f"{status} for a test",
+    }
+    if status == "ok":
+        summary = results.summarise_bench(raw())
+        summary["ttft"] = {"mean": ttft, "p50": ttft, "p99": 3 * ttft}
+        summary["tpot"] = {"mean": tpot, "p50": tpot, "p99": 2 * tpot}
+        base.update(summary)
+    return base
+
+
+def spec(tmp_path: Path, **kw: Any) -> sweep.SweepSpec:
+    (tmp_path / "model").mkdir(exist_ok=True)
+    args: dict[str, Any] = {
+        "setups": ["kvpush-push", "vllm-pull"],
+        "rates": [1.0, 4.0],
+        "input_lens": [256],
+        "output_len": 32,
+        "num_prompts": 16,
+        "iterations": 2,
+        "out": tmp_path / "out",
+        "model": tmp_path / "model",
+    }
+    args.update(kw)
+    return sweep.SweepSpec(**args)
+
+
+def test_run_files_are_named_as_the_issue_says() -> None:
+    point = Point(3, "kvpush-push", 4096, 0.5, 128)
+    assert point.stem == "kvpush-push_qps0.5_in4096_out128_iter3"
+    assert point.path(Path("r")) == Path("r/kvpush-push_qps0.5_in4096_out128_iter3.json")
+    assert Point(1, "vllm-pull", 1024, 8.0, 128).stem == "vllm-pull_qps8_in1024_out128_iter1"
+
+
+def test_setups_are_interleaved_across_iterations() -> None:
+    groups = results.plan(["A", "B", "C"], [1.0, 2.0], [128, 512], 16, 2)
+    assert [(i, s) for i, s, _ in groups] == [
+        (1, "A"), (1, "B"), (1, "C"), (2, "A"), (2, "B"), (2, "C"),
+    ]  # fmt: skip
+    first = groups[0][2]
+    assert [(p.input_len, p.rate) for p in first] == [
+        (128, 1.0),
+        (128, 2.0),
+        (512, 1.0),
+        (512, 2.0),
+    ]
+    assert len({p for _, _, ps in groups for p in ps}) == 3 * 2 * 2 * 2
+
+
+def test_vllm_bench_output_is_summarised() -> None:
+    summary = results.summarise_bench(raw())
+    assert summary["completed"] == 16 and summary["failed"] == 0
+    assert summary["ttft"]["p50"] == pytest.approx(31.684, abs=1e-3)
+    assert summary["ttft"]["p99"] == pytest.approx(264.869, abs=1e-3)
+    assert summary["tpot"]["mean"] == pytest.approx(2.620, abs=1e-3)
+    assert summary["e2el"]["p50"] == pytest.approx(125.014, abs=1e-3)
+    assert summary["itl"]["p99"] == pytest.approx(11.590, abs=1e-3)
+    assert summary["request_throughput"] == pytest.approx(3.874, abs=1e-3)
+    assert results.classify(summary, 16) == ("ok", None)
+
+
+def test_failed_and_timed_out_requests_are_classified_with_their_reason() -> None:
+    data = raw()
+    data.update(completed=13, failed=3, errors=["HTTP 504: request timed out"] * 2 + ["boom"])
+    status, reason = results.classify(results.summarise_bench(data), 16)
+    assert status == "stalled"
+    assert reason is not None and "3 of 16 requests timed out" in reason and "504" in reason
+    data.update(errors=["HTTP 502: prefill refused"] * 3)
+    assert results.classify(results.summarise_bench(data), 16)[0] == "failed"
+    data.update(completed=0, failed=16)
+    summary = results.summarise_bench(data)
+    assert summary["ttft"] == {"mean": None, "p50": None, "p99": None}  # no fake zeros
+
+
+def test_resume_skips_finished_runs_and_redoes_torn_ones(tmp_path: Path) -> None:
+    s = spec(tmp_path)
+    points = s.points()
+    assert len(points) == 2 * 2 * 2
+    done, torn, failed = points[0], points[1], points[2]
+    results.write_result(done.path(s.out), record(done))
+    torn.path(s.out).write_text('{"schema": "kvpush.bench.run/1", "status"')
+    results.write_result(failed.path(s.out), record(failed, "stalled"))
+    assert results.is_done(done, s.out)
+    assert not results.is_done(torn, s.out)
+    assert results.is_done(failed, s.out)
+    assert not results.is_done(failed, s.out, retry_failed=True)
+    assert not results.is_done(points[3], s.out)
+
+
+def test_a_finished_sweep_starts_nothing(tmp_path: Path) -> None:
+    s = spec(tmp_path)
+    for point in s.points():
+        results.write_result(point.path(s.out), record(point))
+    said: list[str] = []
+    assert sweep.run_sweep(s, said.append) == []  # would fail trying to start vLLM otherwise
+    assert "8 already in" in said[0]
+
+
+def test_sweep_options_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown setup nccl"):
+        spec(tmp_path, setups=["nccl"])
+    with pytest.raises(ValueError, match="--rates"):
+        spec(tmp_path, rates=[0.0])
+    with pytest.raises(ValueError, match="--input-lens"):
+        spec(tmp_path, input_lens=[])
+    s = spec(tmp_path, num_prompts=40, request_timeout=30.0)
+    assert s.deadline(Point(1, "kvpush-push", 256, 4.0, 32)) == 40 / 4 + 30 + 90
+    assert spec(tmp_path, run_timeout=5.0).deadline(Point(1, "x", 1, 1.0, 1)) == 5.0
+
+
+def test_metric_deltas_keep_our_counters_and_vllms_token_sources() -> None:
+    before = {
+        ("kvpush:transfer_bytes_total", ()): 100.0,
+        ("vllm:prompt_tokens_by_source_total", (("source", "external_kv_transfer"),)): 10.0,
+        ("vllm:num_requests_running", ()): 2.0,
+    }
+    after = {
+        ("kvpush:transfer_bytes_total", ()): 612.0,
+        ("kvpush:write_seconds_bucket", (("le", "0.1"),)): 4.0,
+        ("vllm:prompt_tokens_by_source_total", (("source", "external_kv_transfer"),)): 266.0,
+        ("vllm:num_requests_running", ()): 5.0,
+    }
+    assert sweep.metric_deltas(before, after) == {
+        "kvpush:transfer_bytes_total": 512.0,
+        'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}': 256.0,
+    }
+
+
+def write_recorded_sweep(out: Path) -> None:
+    """Two iterations of three setups at two rates; vLLM push stalls at the high rate."""
+    for it in (1, 2):
+        for rate in (1.0, 4.0):
+            for setup, ttft, tpot in (
+                ("kvpush-push", 30.0 + it, 2.0),
+                ("vllm-pull", 300.0 + it, 4.0),
+                ("vllm-push", 200.0 + it, 5.0),
+            ):
+                point = Point(it, setup, 256, rate, 32)
+                status = "stalled" if (setup, rate) == ("vllm-push", 4.0) else "ok"
+                results.write_result(point.path(out), record(point, status, ttft * rate, tpot))
+    (out / "notes.json").write_text('{"something": "else"}')  # not a result: ignored
+
+
+def test_aggregate_takes_medians_of_ok_runs_and_keeps_failures(tmp_path: Path) -> None:
+    write_recorded_sweep(tmp_path)
+    rows = results.aggregate(results.load_results(tmp_path))
+    assert len(rows) == 6
+    ours = next(r for r in rows if (r.setup, r.rate) == ("kvpush-push", 4.0))
+    assert (ours.runs, ours.ok, ours.status) == (2, 2, "ok")
+    assert ours.ttft_p50 == pytest.approx(4 * 31.5)
+    stalled = next(r for r in rows if (r.setup, r.rate) == ("vllm-push", 4.0))
+    assert stalled.status == "stalled" and stalled.ttft_p50 is None
+    assert stalled.reasons == ["stalled for a test"] * 2
+
+
+def test_table_gives_ratios_to_the_best_vllm_connector(tmp_path: Path) -> None:
+    write_recorded_sweep(tmp_path)
+    text = plot.table(results.aggregate(results.load_results(tmp_path)))
+    rows = {tuple(line.split()[:3]): line.split() for line in text.splitlines()[1:7]}
+    # at 1 qps the best vLLM TTFT is vllm-push's 201.5 ms: ours is 31.5 / 201.5
+    assert rows["256", "1", "kvpush-push"][-2:] == [f"{31.5 / 201.5:.2f}x", f"{2 / 4:.2f}x"]
+    # at 4 qps vllm-push stalled, so the reference is vllm-pull
+    assert rows["256", "4", "kvpush-push"][-2] == f"{31.5 / 301.5:.2f}x"
+    assert rows["256", "4", "vllm-push"][3:5] == ["stalled", "0/2"]
+    assert "vllm-push at 4 qps, 256 in: stalled (stalled for a test)" in text
+
+
+def test_plot_writes_a_png_with_failed_points(tmp_path: Path, capsys: Any) -> None:
+    write_recorded_sweep(tmp_path)
+    assert main(["bench", "plot", str(tmp_path)]) == 0
+    png = tmp_path / "sweep.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "kvpush-push" in out and f"figure: {png}" in out
+    assert main(["bench", "plot", str(tmp_path / "missing")]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["bench", "plot", str(empty)]) == 1
+
+
+def test_progress_bar_counts_and_estimates() -> None:
+    bar = sweep.Progress(total=4, done=1)
+    assert "1/4 runs" in bar.bar() and "ETA ?" in bar.bar()
+    bar.advance()
+    assert "2/4 runs" in bar.bar() and "ETA ?" not in bar.bar()
+    assert sweep.format_duration(3725) == "1h02m" and sweep.format_duration(65) == "1m05s"
+
+
+def test_nospin_agents_do_not_spin() -> None:
+    """The *-nospin setups' agent: vLLM's class, but no busy progress thread."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    from kvpush.bench import nospin
+
+    quiet = nospin.install()
+    assert nospin.install() is quiet and quiet.kvpush_nospin  # type: ignore[attr-defined]
+    assert base_worker.NixlWrapper is quiet  # type: ignore[attr-defined]
+    agent = quiet("kvpush-nospin-test", None)
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    before = cpu()
+    time.sleep(0.5)
+    assert cpu() - before < 0.2  # a spinning progress thread would burn ~0.5 s here
+    assert "UCX" in agent.backends
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert nospin.NixlConnector is KVConnectorFactory.get_connector_class_by_name("NixlConnector")
