@@ -99,6 +99,33 @@ def validate_body(body: Any) -> dict[str, Any]:
     return body
 
 
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """A rough size of the prompt in tokens, for load accounting only (no tokenizer here).
+
+    Text counts one token per 4 characters, a list of token ids one per id; chat messages
+    count their text. Good enough to tell a 100-token prompt from a 10,000-token one.
+    """
+    total = 0
+    stack: list[Any] = [body.get("messages", body.get("prompt", ""))]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += (len(item) + 3) // 4
+        elif isinstance(item, int):
+            total += 1
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.get(key) for key in ("content", "text") if key in item)
+    return max(total, 1)
+
+
+def requested_output_tokens(body: dict[str, Any]) -> int:
+    """The most tokens decode may generate for this request (vLLM's default 16 if unset)."""
+    value = body.get("max_tokens") or body.get("max_completion_tokens")
+    return value if isinstance(value, int) else 16
+
+
 def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg: same prompt and sampling, one token, no streaming."""
     out = {k: copy.deepcopy(v) for k, v in body.items() if k not in _PREFILL_DROPPED}
