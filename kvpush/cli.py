@@ -16,7 +16,7 @@ from collections.abc import Sequence
 TOOLS = (
     "kvpush.testbed.model",
     "kvpush.testbed.up",
-    "kvpush.testbed.demo",
+    "kvpush.bench.demo",
     "kvpush.proxy.cli",
     "kvpush.plan.cli",
     "kvpush.bench.cli",

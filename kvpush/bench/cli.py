@@ -6,7 +6,7 @@ tabulates the results.
 
 `kvpush bench hooks` answers "how much of the engine loop does the KV connector take?"
 (the articles' 14.7 ms per request). Each setup runs 1P1D under the same streaming load as
-`kvpush demo`, with its connector class wrapped by `kvpush.bench.timed`, which times every
+`kvpush bench compare`, with its connector class wrapped by `kvpush.bench.timed`, which times every
 hook vLLM calls on its scheduler and worker main threads - the same wrapper for vLLM's
 connectors and ours. Per request is the total divided by the requests sent (the load plus
 one warm-up); per step divides the worker's total by its engine steps (calls of
@@ -44,6 +44,14 @@ def register(subparsers: Any) -> None:
     )
     demo.add_arguments(hooks)
     hooks.set_defaults(func=run_hooks)
+    compare = tools.add_parser(
+        "compare",
+        help="the same prompts through every setup: TTFT/TPOT and whether the text agrees",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_arguments(compare)
+    compare.set_defaults(func=demo.run)
     sweeper = tools.add_parser(
         "sweep",
         help="vllm bench serve over rates x input lengths for each setup, interleaved",
@@ -106,6 +114,7 @@ def add_sweep_arguments(
         "num_prompts": 48,
         "iterations": 1,
         "out": Path("results/sweep"),
+        "request_timeout": 30.0,
         **(defaults or {}),
     }
     parser.add_argument(
@@ -156,8 +165,9 @@ def add_sweep_arguments(
     parser.add_argument(
         "--request-timeout",
         type=float,
-        default=30.0,
-        help="the proxy's deadline per request; a request past it counts as a stall (default 30 s)",
+        default=d["request_timeout"],
+        help="the proxy's deadline per request; a request past it counts as a stall "
+        f"(default {d['request_timeout']:g} s)",
     )
     parser.add_argument(
         "--run-timeout",

@@ -134,8 +134,10 @@ def draw(rows: Sequence[Aggregate], path: Path, title: str = "") -> Path:
                     [r.rate for r in good],
                     [getattr(r, f"{metric}_p99") for r in good],
                     "--",
+                    marker="_",
+                    markersize=10,
                     color=colour,
-                    alpha=0.4,
+                    alpha=0.5,
                 )
                 for r in mine:
                     if r.status != "ok":

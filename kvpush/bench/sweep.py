@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -159,6 +160,11 @@ class ProxyThread:
 
     def __init__(self, topology: Topology, port: int, request_timeout: float) -> None:
         self.topology, self.port, self.request_timeout = topology, port, request_timeout
+        # The proxy's own log (failed requests, ejections) goes next to the servers' logs,
+        # not into the sweep's progress output.
+        self.log_path = topology.config.workdir / "logs" / "proxy.log"
+        self.logger = logging.getLogger("kvpush.proxy")
+        self.handler: logging.Handler | None = None
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -170,6 +176,12 @@ class ProxyThread:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> ProxyThread:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.handler = logging.FileHandler(self.log_path)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+        self.logger.propagate = False
         self.thread.start()
         self.ready.wait()
         if self.error is not None:
@@ -181,6 +193,10 @@ class ProxyThread:
             asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if self.handler is not None:
+            self.logger.removeHandler(self.handler)
+            self.handler.close()
+        self.logger.propagate = True
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)

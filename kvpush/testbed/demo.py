@@ -1,4 +1,4 @@
-"""`kvpush demo`: every connector setup, 1 prefill + 1 decode, the same small load, one table.
+"""`kvpush bench compare`: every setup 1P1D, the same prompts, one table; the text must agree.
 
 For each setup the demo starts the servers (eager mode, to start faster) and the proxy
 in-process, warms the pair up, streams a bounded load through the proxy, and stops
@@ -386,7 +386,7 @@ def run_setup(
     load: LoadSpec,
     prompts: list[str],
     timed_hooks: bool = False,
-    label: str = "demo",
+    label: str = "compare",
 ) -> SetupReport:
     try:
         resolve_setup(setup)
@@ -513,19 +513,8 @@ async def _drive(
 # -- command line --------------------------------------------------------------------------
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="run every connector setup 1P1D under a small load and compare them",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=run)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The setup, port and load options, shared with `kvpush bench hooks`."""
+    """The setup, port and load options of `kvpush bench compare` and `kvpush bench hooks`."""
     parser.add_argument(
         "--setups",
         default=None,
@@ -574,7 +563,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_all(
-    args: argparse.Namespace, timed_hooks: bool = False, label: str = "demo"
+    args: argparse.Namespace, timed_hooks: bool = False, label: str = "compare"
 ) -> tuple[list[SetupReport], LoadSpec] | int:
     """Run every requested setup in turn; an int is an exit code for bad arguments."""
     try:
@@ -588,7 +577,7 @@ def run_all(
             seed=args.seed,
         )
     except ValueError as exc:
-        print(f"kvpush demo: {exc}", file=sys.stderr)
+        print(f"kvpush bench: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
     model = args.workdir / "models" / "tiny"

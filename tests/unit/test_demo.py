@@ -1,4 +1,4 @@
-"""`kvpush demo`'s pure parts: statistics, stream parsing, prompts, load control, the table."""
+"""`kvpush bench compare`'s pure parts: statistics, stream parsing, prompts, load control, the table."""
 
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def test_setups_default_to_all_and_unknown_names_are_refused() -> None:
 
 
 def test_bad_load_is_refused_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
-    args = build_parser().parse_args(["demo", "--concurrency", "0"])
+    args = build_parser().parse_args(["bench", "compare", "--concurrency", "0"])
     assert args.func(args) == 2
     assert "--concurrency must be at least 1" in capsys.readouterr().err
 
