@@ -1,4 +1,5 @@
-"""`kvpush proxy`: run the OpenAI-compatible P/D proxy in the foreground."""
+"""`kvpush proxy`: run the OpenAI-compatible P/D proxy in the foreground (`kvpush proxy bench`:
+measure what it adds)."""
 
 from __future__ import annotations
 
@@ -7,52 +8,153 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
+from kvpush.proxy import bench
+from kvpush.proxy.balance import POLICIES
 from kvpush.proxy.rewrite import MODES, parse_backend
 
 EPILOG = """\
 backends:
-  --prefill and --decode take one or more URLs. In push mode decode must be told where each
-  prefill's KV lives, so a prefill backend is written URL,engine=ID,kv=HOST:PORT[,tp=N]
-  (the engine id and NIXL side-channel address the prefill server was started with).
+  --prefill and --decode take one or more backends; any number of each. In push mode decode
+  must be told where each prefill's KV lives, so a prefill backend is written
+  URL,engine=ID,kv=HOST:PORT[,tp=N] (the engine id and NIXL side-channel address the prefill
+  server was started with). Instead of the flags, --config FILE lists them in a JSON or TOML
+  file, re-read whenever it changes:
+      prefill = ["http://10.0.0.1:8100,engine=prefill-0,kv=10.0.0.1:5600,tp=8"]
+      decode = ["http://10.0.0.2:8200", "http://10.0.0.3:8200"]
+
+choice (--policy):
+  least-loaded (default) sends each leg where it should finish first: the work the proxy has
+  in flight there (prefill: prompt tokens; decode: requests), plus what the backend reports
+  waiting when --scrape-interval reads its /metrics, times how fast it has been lately.
+  Push chooses decode when the request arrives; pull chooses it after prefill answered.
+  round-robin takes healthy backends in turn (to compare against).
+
+health:
+  every --health-interval seconds each backend gets GET /health; after --eject-after failures
+  in a row (or at once when it refuses a connection) it gets no new requests and the legs
+  running on it fail at once; after --return-after passing checks it is back. A leg that
+  never reached its backend (connection refused), or a pull prefill whose backend vanished
+  before answering, is sent to another backend, up to --retries times. In push mode the pair
+  is resent only if a leg never reached its backend, with a new transfer id.
+
+admin API (with --admin-token, header 'Authorization: Bearer TOKEN'):
+  GET /admin/backends                  pools, health, load and estimates
+  POST /admin/backends    {"role": "decode", "backend": "http://10.0.0.4:8200"}
+  DELETE /admin/backends  {"role": "decode", "url": "http://10.0.0.4:8200"}
+  A removed backend finishes the requests it has. Changing the --config file does the same.
 
 examples:
   kvpush proxy --mode pull --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
   kvpush proxy --mode push \\
       --prefill http://127.0.0.1:8100,engine=prefill-0,kv=127.0.0.1:5600 \\
-      --decode http://127.0.0.1:8200
+      --decode http://127.0.0.1:8200 http://127.0.0.1:8201
+  kvpush proxy --mode pull --config fleet.toml --admin-token "$TOKEN" --scrape-interval 1
+  kvpush proxy bench              # the proxy's own added latency, against stub backends
 """
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "proxy",
-        help="run the OpenAI-compatible P/D proxy",
+        help="run the OpenAI-compatible P/D proxy (or `proxy bench`: measure its overhead)",
         description="OpenAI-compatible prefill/decode proxy: /v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics; streaming and not.",
+        "/v1/chat/completions, /v1/models, /health, /metrics, /admin/backends; streaming "
+        "and not; any number of backends, load-aware, health-checked.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--mode", choices=MODES, required=True, help="KV handoff mode")
-    parser.add_argument("--prefill", nargs="+", required=True, metavar="BACKEND")
-    parser.add_argument("--decode", nargs="+", required=True, metavar="BACKEND")
+    parser.add_argument("--mode", choices=MODES, help="KV handoff mode (required)")
+    parser.add_argument(
+        "--prefill", nargs="+", default=[], metavar="BACKEND", help="prefill servers (see below)"
+    )
+    parser.add_argument(
+        "--decode", nargs="+", default=[], metavar="BACKEND", help="decode servers (see below)"
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="JSON or TOML file listing the backends (instead of --prefill/--decode); "
+        "re-read when it changes",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default %(default)s)")
     parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="least-loaded",
+        help="how to choose among backends (default %(default)s)",
+    )
+    parser.add_argument(
+        "--retries",
+        metavar="N",
+        type=int,
+        default=1,
+        help="times a leg may be resent elsewhere where that is safe (default %(default)s)",
+    )
+    parser.add_argument(
+        "--health-interval",
+        metavar="S",
+        type=float,
+        default=2.0,
+        help="seconds between health checks of each backend (default %(default)s)",
+    )
+    parser.add_argument(
+        "--health-timeout",
+        metavar="S",
+        type=float,
+        default=2.0,
+        help="seconds a health check (or /metrics read) may take (default %(default)s)",
+    )
+    parser.add_argument(
+        "--eject-after",
+        metavar="N",
+        type=int,
+        default=3,
+        help="failed health checks in a row that eject a backend (default %(default)s)",
+    )
+    parser.add_argument(
+        "--return-after",
+        metavar="N",
+        type=int,
+        default=2,
+        help="passing health checks that bring it back (default %(default)s)",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        metavar="S",
+        type=float,
+        default=0.0,
+        help="read each backend's /metrics (vLLM's waiting queue, KV usage) this often, in "
+        "seconds, for the choice (default 0: off; the proxy's own counts only)",
+    )
+    parser.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        default=os.environ.get("KVPUSH_ADMIN_TOKEN"),
+        help="enable /admin/backends for 'Authorization: Bearer TOKEN' "
+        "(default: $KVPUSH_ADMIN_TOKEN, else the admin API is off)",
+    )
+    parser.add_argument(
         "--request-timeout",
+        metavar="S",
         type=float,
         default=300.0,
         help="seconds a request may take end to end before it fails with 504 (default %(default)s)",
     )
     parser.add_argument(
         "--connect-timeout",
+        metavar="S",
         type=float,
         default=5.0,
         help="seconds to connect to a backend (default %(default)s)",
     )
     parser.add_argument(
         "--api-key",
+        metavar="KEY",
         default=os.environ.get("KVPUSH_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPUSH_API_KEY, else none)",
     )
@@ -60,19 +162,42 @@ def register(subparsers: Any) -> None:
         "--max-body-mb", type=float, default=8.0, help="largest request body accepted (MiB)"
     )
     parser.set_defaults(func=run)
+    bench.register(parser.add_subparsers(dest="proxy_command", metavar="{bench}"))
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from kvpush.proxy.fleet import read_fleet
     from kvpush.proxy.server import ProxyConfig
 
+    if not args.mode:
+        raise ValueError("--mode push or --mode pull is required")
+    if args.config and (args.prefill or args.decode):
+        raise ValueError(
+            "give the backends either with --prefill/--decode or in --config, not both"
+        )
+    if args.config:
+        fleet = read_fleet(args.config)
+        prefill, decode = list(fleet.prefill), list(fleet.decode)
+    else:
+        prefill = [parse_backend(s) for s in args.prefill]
+        decode = [parse_backend(s) for s in args.decode]
     return ProxyConfig(
         mode=args.mode,
-        prefill=[parse_backend(s) for s in args.prefill],
-        decode=[parse_backend(s) for s in args.decode],
+        prefill=prefill,
+        decode=decode,
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
         api_key=args.api_key or None,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        policy=args.policy,
+        retries=args.retries,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        eject_after=args.eject_after,
+        return_after=args.return_after,
+        scrape_interval=args.scrape_interval,
+        admin_token=args.admin_token or None,
+        fleet_file=args.config,
     )
 
 
@@ -81,15 +206,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"kvpush proxy: {exc}")
+        print(f"kvpush proxy: {exc} (see kvpush proxy -h)")
         return 2
+    use_uvloop()
+    return asyncio.run(_serve(config, args.host, args.port))
+
+
+def use_uvloop() -> None:
+    """Run asyncio on uvloop when it is installed (faster parsing and scheduling)."""
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(_serve(config, args.host, args.port))
 
 
 async def _serve(config: Any, host: str, port: int) -> int:
@@ -100,7 +230,11 @@ async def _serve(config: Any, host: str, port: int) -> int:
     except OSError as exc:
         print(f"kvpush proxy: cannot listen on {host}:{port}: {exc.strerror}; pick another --port")
         return 1
-    print(f"kvpush proxy ({config.mode}) listening on http://{host}:{port}", flush=True)
+    print(
+        f"kvpush proxy ({config.mode}, {config.policy}) listening on http://{host}:{port}: "
+        f"{len(config.prefill)} prefill, {len(config.decode)} decode backends",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,11 +1,27 @@
 """The OpenAI-compatible P/D proxy: aiohttp server and client on one event loop.
 
-One request's path, pull mode: pick prefill (least in flight) -> POST the prompt with
-max_tokens=1 -> read prefill's kv_transfer_params -> pick decode -> POST the client's
-request with those params -> relay decode's answer (streamed chunk by chunk, or whole).
-Push mode: pick prefill and decode first, send both legs at once with one request id;
-if either leg fails, the other is cancelled (closing the HTTP connection makes vLLM abort
-the request and free its blocks) and the client gets an error naming the backend.
+One request's path, pull mode: choose prefill (`balance.Pool.pick`) -> POST the prompt with
+max_tokens=1 -> read prefill's kv_transfer_params -> choose decode, now, with fresh load ->
+POST the client's request with those params -> relay decode's answer (streamed chunk by
+chunk, or whole). Push mode: choose prefill and decode first, send both legs at once with
+one request id; if either leg fails, the other is cancelled (closing the HTTP connection
+makes vLLM abort the request and free its blocks) and the client gets an error naming the
+backend.
+
+Retries resend a leg only where that cannot pair KV wrongly or run a request twice where
+it matters (each at most `retries` times, to a backend not yet tried for the request):
+- pull prefill: when the request never reached the backend (connection refused) or the
+  backend vanished before answering (connection lost, or ejected while the leg ran);
+  nothing downstream depends on a prefill that did not answer;
+- pull decode: only when the request never reached it; prefill's blocks wait for any reader;
+- push: only when a leg never reached its backend and the client has no byte yet. Both
+  legs are then cancelled and sent again as a new pair with a new transfer id, because
+  decode's registration is tied to the prefill it was told about; a prefill that may have
+  run must never be paired with a new decode, nor a new prefill with a decode that may
+  have registered elsewhere.
+
+`monitor.Monitor` runs the health checks, the optional /metrics scrape and the fleet-file
+reload in the background; a backend ejected while legs run on it aborts those legs at once.
 """
 
 from __future__ import annotations
@@ -16,32 +32,52 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvpush.proxy import rewrite
+from kvpush.proxy.balance import (
+    BackendState,
+    Change,
+    HealthRules,
+    NoBackend,
+    Pool,
+    check_policy,
+)
+from kvpush.proxy.fleet import ROLES, Fleet, check_backend, check_fleet, check_role
+from kvpush.proxy.monitor import Monitor, probe_health
 from kvpush.proxy.rewrite import Backend, RequestError
 
 log = logging.getLogger("kvpush.proxy")
 
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("kvpush.proxy")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+UNSENT = "unsent"  # the request never left the proxy (the connection was refused)
+LOST = "lost"  # the backend went away before answering
 
 
 class BackendFailure(Exception):
-    """A leg failed; carries what the client is told and which backend is to blame."""
+    """A leg failed; carries what the client is told, which backend is to blame, and
+    whether the request may be sent elsewhere (`safety`: UNSENT, LOST or "")."""
 
-    def __init__(self, role: str, backend: Backend, status: int, detail: str) -> None:
+    def __init__(
+        self, role: str, backend: Backend, status: int, detail: str, safety: str = ""
+    ) -> None:
         super().__init__(f"{role} backend {backend.url}: {detail}")
         self.role = role
         self.backend = backend
         self.status = status
         self.detail = detail
+        self.safety = safety
 
     @property
     def client_status(self) -> int:
@@ -59,57 +95,101 @@ class ProxyConfig:
     connect_timeout: float = 5.0
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    policy: str = "least-loaded"
+    retries: int = 1
+    health_interval: float = 2.0
+    health_timeout: float = 2.0
+    eject_after: int = 3
+    return_after: int = 2
+    scrape_interval: float = 0.0  # 0: do not read the backends' /metrics
+    admin_token: str | None = None
+    fleet_file: Path | None = None  # re-read when it changes
+    health: HealthRules = field(init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in rewrite.MODES:
             raise ValueError(f"mode must be one of {rewrite.MODES}, got {self.mode!r}")
-        if not self.prefill or not self.decode:
-            raise ValueError("the proxy needs at least one prefill and one decode backend")
-        if self.mode == "push":
-            missing = [b.url for b in self.prefill if not b.has_kv_coordinates]
-            if missing:
-                raise ValueError(
-                    f"push mode needs KV coordinates for every prefill backend ({missing}): "
-                    "pass --prefill URL,engine=ID,kv=HOST:PORT[,tp=N]"
-                )
-        if self.request_timeout <= 0 or self.connect_timeout <= 0:
+        check_fleet(self.mode, Fleet(tuple(self.prefill), tuple(self.decode)))
+        if self.request_timeout <= 0 or self.connect_timeout <= 0 or self.health_timeout <= 0:
             raise ValueError("timeouts must be positive")
+        if self.health_interval <= 0 or self.scrape_interval < 0:
+            raise ValueError("--health-interval must be positive and --scrape-interval >= 0")
+        if self.retries < 0:
+            raise ValueError("--retries must be 0 or more")
+        self.health = HealthRules(self.eject_after, self.return_after)
+        check_policy(self.policy)
 
 
-@dataclass(slots=True)
-class Pool:
-    """Backends of one role; picks the one with the fewest requests in flight."""
+class _FleetCollector(Collector):
+    """Per-backend gauges, read from the pools when /metrics is scraped."""
 
-    role: str
-    backends: list[Backend]
-    in_flight: dict[str, int] = field(default_factory=dict)
-    _turn: itertools.count[int] = field(default_factory=itertools.count)
+    def __init__(self, pools: dict[str, Pool]) -> None:
+        self.pools = pools
 
-    def pick(self) -> Backend:
-        start = next(self._turn) % len(self.backends)
-        ordered = self.backends[start:] + self.backends[:start]
-        return min(ordered, key=lambda b: self.in_flight.get(b.url, 0))
+    def collect(self) -> Iterable[Metric]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(
+                f"kvpush_proxy_backend_{name}", doc, labels=["role", "backend"]
+            )
+
+        in_flight = gauge("in_flight", "Legs in flight per backend")
+        tokens = gauge(
+            "in_flight_tokens",
+            "Tokens of the legs in flight (prefill: prompt; decode: prompt + max output), "
+            "estimated at 4 characters a token",
+        )
+        healthy = gauge("healthy", "1 while the backend gets new requests, 0 while ejected")
+        speed = gauge(
+            "seconds_per_unit",
+            "The proxy's estimate of the backend's speed: prefill seconds per prompt token, "
+            "decode seconds to the first byte",
+        )
+        waiting = gauge("reported_waiting", "vllm:num_requests_waiting at the last scrape")
+        running = gauge("reported_running", "vllm:num_requests_running at the last scrape")
+        kv_usage = gauge("reported_kv_usage", "vllm:kv_cache_usage_perc at the last scrape")
+        for role, pool in self.pools.items():
+            for s in pool:
+                labels = [role, s.url]
+                in_flight.add_metric(labels, s.in_flight)
+                tokens.add_metric(labels, s.tokens)
+                healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
+                if s.estimate is not None:
+                    speed.add_metric(labels, s.estimate)
+                if s.reported is not None:
+                    waiting.add_metric(labels, s.reported.waiting)
+                    running.add_metric(labels, s.reported.running)
+                    if s.reported.kv_usage is not None:
+                        kv_usage.add_metric(labels, s.reported.kv_usage)
+        return [in_flight, tokens, healthy, speed, waiting, running, kv_usage]
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, pools: dict[str, Pool]) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_FleetCollector(pools))
         self.requests = Counter(
             "kvpush_proxy_requests",
             "Client requests by outcome",
             ["mode", "outcome"],
             registry=self.registry,
         )
-        self.in_flight = Gauge(
-            "kvpush_proxy_backend_in_flight",
-            "Legs in flight per backend",
-            ["role", "backend"],
-            registry=self.registry,
-        )
         self.errors = Counter(
             "kvpush_proxy_backend_errors",
             "Failed legs per backend",
             ["role", "backend", "kind"],
+            registry=self.registry,
+        )
+        self.ejections = Counter(
+            "kvpush_proxy_backend_ejections",
+            "Times a backend was taken out of the choice (failed health checks, refused "
+            "connections)",
+            ["role", "backend"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "kvpush_proxy_retries",
+            "Legs sent again to another backend, by why that was safe (unsent, lost)",
+            ["role", "cause"],
             registry=self.registry,
         )
         self.ttft = Histogram(
@@ -121,7 +201,15 @@ class Metrics:
         )
         self.prefill = Histogram(
             "kvpush_proxy_prefill_seconds",
-            "Duration of the prefill leg",
+            "Duration of the prefill leg (prefill-side TTFT)",
+            ["backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.handoff = Histogram(
+            "kvpush_proxy_handoff_seconds",
+            "TTFT at the proxy minus the prefill leg's duration, per decode backend: the KV "
+            "handoff plus waiting at decode",
             ["backend"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
@@ -141,16 +229,30 @@ def error_response(
     return web.json_response(error_body(message, kind, backend), status=status)
 
 
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One client request, as both legs need it."""
+
+    path: str
+    body: dict[str, Any]
+    request_id: str
+    prompt_tokens: int
+    decode_tokens: int
+
+
 class Proxy:
     """The proxy's state (backend pools, metrics, HTTP client) and its request handlers."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.pools = {
-            "prefill": Pool("prefill", config.prefill),
-            "decode": Pool("decode", config.decode),
-        }
-        self.metrics = Metrics()
+        self.pools = {role: Pool(role, config.policy, config.health) for role in ROLES}
+        for backend in config.prefill:
+            self.pools["prefill"].add(backend)
+        for backend in config.decode:
+            self.pools["decode"].add(backend)
+        self.metrics = Metrics(self.pools)
+        self.monitor = Monitor(self)
+        self._flights: dict[BackendState, set[_Flight]] = {}
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -165,6 +267,7 @@ class Proxy:
         return self._session
 
     async def close(self) -> None:
+        await self.monitor.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -178,16 +281,23 @@ class Proxy:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/admin/backends", self._admin_list)
+        app.router.add_post("/admin/backends", self._admin_add)
+        app.router.add_delete("/admin/backends", self._admin_remove)
+
+        async def on_startup(_: web.Application) -> None:
+            self.monitor.start()
 
         async def on_cleanup(_: web.Application) -> None:
             await self.close()
 
+        app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         app[PROXY_KEY] = self
         return app
 
     def status_line(self) -> str:
-        """One human-readable line: request outcomes and legs in flight."""
+        """One human-readable line: request outcomes, legs in flight, ejected backends."""
         outcomes: dict[str, int] = {}
         for metric in self.metrics.requests.collect():
             for sample in metric.samples:
@@ -196,9 +306,55 @@ class Proxy:
                     outcomes[key] = outcomes.get(key, 0) + int(sample.value)
         done = ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items())) or "no requests yet"
         busy = ", ".join(
-            f"{role} {sum(pool.in_flight.values())}" for role, pool in self.pools.items()
+            f"{role} {sum(s.in_flight for s in pool)}" for role, pool in self.pools.items()
         )
-        return f"requests: {done} | in flight: {busy}"
+        line = f"requests: {done} | in flight: {busy}"
+        ejected = [s.url for pool in self.pools.values() for s in pool if not s.healthy]
+        return f"{line} | ejected: {', '.join(ejected)}" if ejected else line
+
+    # -- fleet and health (called by the admin API and the monitor) ---------------------
+
+    def apply_fleet(self, fleet: Fleet) -> list[str]:
+        """Make the pools hold exactly `fleet`'s backends; returns what changed."""
+        check_fleet(self.config.mode, fleet)
+        changes = []
+        for role in ROLES:
+            pool = self.pools[role]
+            wanted = {b.url: b for b in fleet.of(role)}
+            for state in list(pool):
+                if wanted.get(state.url) != state.backend:
+                    pool.remove(state.url)
+                    changes.append(f"removed {role} {state.url}")
+            for url, backend in wanted.items():
+                if pool.find(url) is None:
+                    pool.add(backend)
+                    changes.append(f"added {role} {rewrite.format_backend(backend)}")
+        return changes
+
+    def checked(self, role: str, state: BackendState, problem: str | None) -> None:
+        """Record a health check (problem None: it passed)."""
+        change = self.pools[role].checked(state, problem is None, problem or "")
+        if change is Change.EJECTED:
+            self._ejected(role, state)
+        elif change is Change.RETURNED:
+            log.info("%s backend %s passed its health checks and is back", role, state.url)
+
+    def eject(self, role: str, state: BackendState, reason: str) -> None:
+        if self.pools[role].eject(state, reason) is Change.EJECTED:
+            self._ejected(role, state)
+
+    def _ejected(self, role: str, state: BackendState) -> None:
+        self.metrics.ejections.labels(role, state.url).inc()
+        flights = list(self._flights.get(state, ()))
+        log.warning(
+            "%s backend %s ejected (%s); aborting %d legs on it",
+            role,
+            state.url,
+            state.reason,
+            len(flights),
+        )
+        for flight in flights:
+            flight.abort(state.reason)
 
     @web.middleware
     async def _auth_middleware(
@@ -233,17 +389,26 @@ class Proxy:
             self.metrics.requests.labels(mode, "bad_request").inc()
             msg = str(exc) if isinstance(exc, RequestError) else f"body is not valid JSON: {exc}"
             return error_response(400, msg, "invalid_request_error")
-        request_id = rewrite.new_request_id(request.headers.get("X-Request-Id"))
-        started = time.perf_counter()
-        relay = _Relay(request, started, self.metrics)
+        prompt_tokens = rewrite.estimate_prompt_tokens(body)
+        job = _Job(
+            request.path,
+            body,
+            rewrite.new_request_id(request.headers.get("X-Request-Id")),
+            prompt_tokens,
+            prompt_tokens + rewrite.requested_output_tokens(body),
+        )
+        relay = _Relay(request, time.perf_counter(), self.metrics)
         try:
             if mode == "pull":
-                await self._pull(request.path, body, request_id, relay)
+                await self._pull(job, relay)
             else:
-                await self._push(request.path, body, request_id, relay)
+                await self._push(job, relay)
+        except NoBackend as exc:
+            self.metrics.requests.labels(mode, "no_backend").inc()
+            log.warning("request %s refused: %s", job.request_id, exc)
+            return await relay.fail(503, str(exc), None)
         except BackendFailure as exc:
             self.metrics.requests.labels(mode, "backend_error").inc()
-            self.metrics.errors.labels(exc.role, exc.backend.url, _error_kind(exc.status)).inc()
             message = str(exc)
             if exc.role == "decode" and exc.status >= 500 and relay.prefill is not None:
                 # vLLM reports a failed KV handoff as a bare 500; if the pair's connectors
@@ -251,32 +416,79 @@ class Proxy:
                 conflict = await self._mode_conflict(relay.prefill, exc.backend)
                 if conflict:
                     message = f"{message}; {conflict}"
-            log.warning("request %s failed: %s", request_id, message)
+            log.warning("request %s failed: %s", job.request_id, message)
             return await relay.fail(exc.client_status, message, exc.backend.url)
         self.metrics.requests.labels(mode, "ok").inc()
         assert relay.response is not None
         return relay.response
 
-    async def _pull(self, path: str, body: dict[str, Any], rid: str, relay: _Relay) -> None:
-        prefill = relay.prefill = self.pools["prefill"].pick()
-        answer = await self._prefill(prefill, path, body, rewrite.pull_prefill_params(), rid)
-        try:
-            params = rewrite.pull_decode_params(answer, prefill)
-        except ValueError as exc:
-            raise BackendFailure("prefill", prefill, 502, str(exc)) from None
-        decode = self.pools["decode"].pick()
-        await self._leg("decode", decode, path, rewrite.decode_body(body, params), rid, relay)
+    def _choose(self, role: str, units: float, tried: set[str]) -> BackendState:
+        return self.pools[role].pick(units, time.monotonic(), tried)
 
-    async def _push(self, path: str, body: dict[str, Any], rid: str, relay: _Relay) -> None:
-        prefill = relay.prefill = self.pools["prefill"].pick()
-        decode = self.pools["decode"].pick()
-        decode_leg = rewrite.decode_body(body, rewrite.push_decode_params(prefill, rid))
+    def _may_retry(
+        self,
+        exc: BackendFailure,
+        attempt: int,
+        tried: set[str],
+        safe: tuple[str, ...],
+        relay: _Relay,
+    ) -> bool:
+        if exc.safety not in safe or attempt >= self.config.retries or relay.answered:
+            return False
+        tried.add(exc.backend.url)
+        if not self.pools[exc.role].available(tried):
+            return False
+        self.metrics.retries.labels(exc.role, exc.safety).inc()
+        log.info("sending the %s leg again, elsewhere: %s", exc.role, exc)
+        return True
+
+    async def _pull(self, job: _Job, relay: _Relay) -> None:
+        self.pools["decode"].ensure_available()  # before spending a prefill on it
+        tried: set[str] = set()
+        for attempt in itertools.count():
+            prefill = self._choose("prefill", job.prompt_tokens, tried)
+            relay.prefill = prefill.backend
+            try:
+                params = await self._prefill(prefill, job, rewrite.pull_prefill_params(), relay)
+                break
+            except BackendFailure as exc:
+                if not self._may_retry(exc, attempt, tried, (UNSENT, LOST), relay):
+                    raise
+        assert params is not None
+        body = rewrite.decode_body(job.body, params)
+        tried = set()
+        for attempt in itertools.count():
+            decode = self._choose("decode", 1, tried)
+            try:
+                return await self._decode(decode, job, body, job.request_id, relay)
+            except BackendFailure as exc:
+                if not self._may_retry(exc, attempt, tried, (UNSENT,), relay):
+                    raise
+
+    async def _push(self, job: _Job, relay: _Relay) -> None:
+        tried: dict[str, set[str]] = {role: set() for role in ROLES}
+        for attempt in itertools.count():
+            prefill = self._choose("prefill", job.prompt_tokens, tried["prefill"])
+            decode = self._choose("decode", 1, tried["decode"])
+            relay.prefill = prefill.backend
+            # A fresh transfer id per pair: nothing of an abandoned pair can match this one.
+            rid = job.request_id if attempt == 0 else f"{job.request_id}-retry{attempt}"
+            try:
+                return await self._push_pair(job, prefill, decode, rid, relay)
+            except BackendFailure as exc:
+                if not self._may_retry(exc, attempt, tried[exc.role], (UNSENT,), relay):
+                    raise
+
+    async def _push_pair(
+        self, job: _Job, prefill: BackendState, decode: BackendState, rid: str, relay: _Relay
+    ) -> None:
+        decode_body = rewrite.decode_body(
+            job.body, rewrite.push_decode_params(prefill.backend, rid)
+        )
         prefill_task = asyncio.ensure_future(
-            self._prefill(prefill, path, body, rewrite.push_prefill_params(rid), rid)
+            self._prefill(prefill, job, rewrite.push_prefill_params(rid), relay, rid)
         )
-        decode_task = asyncio.ensure_future(
-            self._leg("decode", decode, path, decode_leg, rid, relay)
-        )
+        decode_task = asyncio.ensure_future(self._decode(decode, job, decode_body, rid, relay))
         try:
             done, _ = await asyncio.wait(
                 {prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED
@@ -294,47 +506,56 @@ class Proxy:
             await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
 
     async def _prefill(
-        self, backend: Backend, path: str, body: dict[str, Any], params: dict[str, Any], rid: str
-    ) -> Any:
+        self,
+        state: BackendState,
+        job: _Job,
+        params: dict[str, Any],
+        relay: _Relay,
+        rid: str | None = None,
+    ) -> dict[str, Any] | None:
+        """The prefill leg; in pull mode returns the coordinates decode needs."""
+        backend = state.backend
         started = time.perf_counter()
-        with self._in_flight("prefill", backend):
-            answer = await self._call(
-                "prefill", backend, path, rewrite.prefill_body(body, params), rid
+        async with _Flight(self, "prefill", state, job.prompt_tokens, job.prompt_tokens) as flight:
+            answer = await self._post_json(
+                backend, job.path, rewrite.prefill_body(job.body, params), rid or job.request_id
             )
-        self.metrics.prefill.labels(backend.url).observe(time.perf_counter() - started)
-        return answer
+            flight.answered()
+            seconds = time.perf_counter() - started
+            relay.prefill_seconds = seconds
+            self.metrics.prefill.labels(backend.url).observe(seconds)
+            if self.config.mode != "pull":
+                return None
+            try:
+                return rewrite.pull_decode_params(answer, backend)
+            except ValueError as exc:
+                raise BackendFailure("prefill", backend, 502, str(exc)) from None
 
-    async def _call(
-        self, role: str, backend: Backend, path: str, body: dict[str, Any], rid: str
-    ) -> Any:
+    async def _post_json(self, backend: Backend, path: str, body: dict[str, Any], rid: str) -> Any:
         try:
             async with self.session.post(
                 backend.url + path, json=body, headers={"X-Request-Id": rid}
             ) as resp:
                 if resp.status != 200:
-                    raise BackendFailure(role, backend, resp.status, await _describe(resp))
+                    raise BackendFailure("prefill", backend, resp.status, await _describe(resp))
                 return await resp.json()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _transport_failure(role, backend, exc, self.config) from None
+            raise _transport_failure("prefill", backend, exc, self.config) from None
 
-    async def _leg(
-        self, role: str, backend: Backend, path: str, body: dict[str, Any], rid: str, relay: _Relay
+    async def _decode(
+        self, state: BackendState, job: _Job, body: dict[str, Any], rid: str, relay: _Relay
     ) -> None:
-        with self._in_flight(role, backend):
+        backend = state.backend
+        async with _Flight(self, "decode", state, 1, job.decode_tokens) as flight:
             try:
                 async with self.session.post(
-                    backend.url + path, json=body, headers={"X-Request-Id": rid}
+                    backend.url + job.path, json=body, headers={"X-Request-Id": rid}
                 ) as resp:
                     if resp.status != 200:
-                        raise BackendFailure(role, backend, resp.status, await _describe(resp))
-                    await relay.forward(resp, backend)
+                        raise BackendFailure("decode", backend, resp.status, await _describe(resp))
+                    await relay.forward(resp, backend, flight.answered)
             except (TimeoutError, aiohttp.ClientError) as exc:
-                raise _transport_failure(role, backend, exc, self.config) from None
-
-    def _in_flight(self, role: str, backend: Backend) -> _InFlight:
-        return _InFlight(
-            self.pools[role], self.metrics.in_flight.labels(role, backend.url), backend
-        )
+                raise _transport_failure("decode", backend, exc, self.config) from None
 
     async def _mode_conflict(self, prefill: Backend, decode: Backend) -> str | None:
         async def mode_of(backend: Backend) -> str | None:
@@ -350,7 +571,10 @@ class Proxy:
         return rewrite.mode_conflict(self.config.mode, prefill, modes[0], decode, modes[1])
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
-        backend = self.pools["decode"].pick()
+        try:
+            backend = self._choose("decode", 0, set()).backend
+        except NoBackend as exc:
+            return error_response(503, str(exc), "backend_error")
         try:
             async with self.session.get(backend.url + "/v1/models") as resp:
                 return web.Response(
@@ -361,22 +585,24 @@ class Proxy:
             return error_response(failure.client_status, str(failure), "backend_error", backend.url)
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
-        async def probe(backend: Backend) -> bool:
-            try:
-                async with self.session.get(
-                    backend.url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)
-                ) as resp:
-                    return resp.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                return False
-
-        report: dict[str, dict[str, bool]] = {}
+        """Probes every backend now; a role with none answering makes the proxy degraded."""
+        report: dict[str, Any] = {}
+        ejected: dict[str, str] = {}
         for role, pool in self.pools.items():
-            results = await asyncio.gather(*(probe(b) for b in pool.backends))
-            report[role] = {b.url: ok for b, ok in zip(pool.backends, results, strict=True)}
-        healthy = all(any(r.values()) for r in report.values())
+            states = list(pool)
+            problems = await asyncio.gather(
+                *(probe_health(self.session, s.url, 2.0) for s in states)
+            )
+            report[role] = {s.url: p is None for s, p in zip(states, problems, strict=True)}
+            ejected.update({s.url: s.reason for s in states if not s.healthy})
+        healthy = all(any(report[role].values()) for role in ROLES)
         return web.json_response(
-            {"status": "ok" if healthy else "degraded", "mode": self.config.mode, **report},
+            {
+                "status": "ok" if healthy else "degraded",
+                "mode": self.config.mode,
+                **report,
+                "ejected": ejected,
+            },
             status=200 if healthy else 503,
         )
 
@@ -386,18 +612,166 @@ class Proxy:
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
+    # -- admin API ----------------------------------------------------------------------
 
-class _InFlight:
-    def __init__(self, pool: Pool, gauge: Any, backend: Backend) -> None:
-        self.pool, self.gauge, self.url = pool, gauge, backend.url
+    def _admin_refusal(self, request: web.Request) -> web.Response | None:
+        token = self.config.admin_token
+        if not token:
+            return error_response(
+                403,
+                "the admin API is off: start the proxy with --admin-token TOKEN "
+                "(or $KVPUSH_ADMIN_TOKEN)",
+                "permission_error",
+            )
+        if not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {token}"):
+            return error_response(
+                401,
+                "missing or wrong admin token: send 'Authorization: Bearer <admin token>'",
+                "authentication_error",
+            )
+        return None
 
-    def __enter__(self) -> None:
-        self.pool.in_flight[self.url] = self.pool.in_flight.get(self.url, 0) + 1
-        self.gauge.inc()
+    async def _admin_body(self, request: web.Request, *keys: str) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict) or any(not isinstance(body.get(k), str) for k in keys):
+            fields = ", ".join(f'"{k}": "..."' for k in keys)
+            raise ValueError(f"expected a JSON object {{{fields}}}")
+        body["role"] = check_role(body["role"])
+        return body
 
-    def __exit__(self, *exc: object) -> None:
-        self.pool.in_flight[self.url] -= 1
-        self.gauge.dec()
+    async def _admin_list(self, request: web.Request) -> web.StreamResponse:
+        refusal = self._admin_refusal(request)
+        if refusal:
+            return refusal
+        now = time.monotonic()
+        view: dict[str, Any] = {"mode": self.config.mode, "policy": self.config.policy}
+        for role, pool in self.pools.items():
+            view[role] = [_state_view(pool, s, now) for s in pool]
+        return web.json_response(view)
+
+    async def _admin_add(self, request: web.Request) -> web.StreamResponse:
+        refusal = self._admin_refusal(request)
+        if refusal:
+            return refusal
+        try:
+            body = await self._admin_body(request, "role", "backend")
+            backend = check_backend(
+                self.config.mode, body["role"], rewrite.parse_backend(body["backend"])
+            )
+        except ValueError as exc:
+            return error_response(400, str(exc), "invalid_request_error")
+        pool = self.pools[body["role"]]
+        try:
+            state = pool.add(backend)
+        except ValueError as exc:
+            return error_response(409, f"{exc}; remove it first to change it", "conflict")
+        log.info("admin: added %s backend %s", body["role"], rewrite.format_backend(backend))
+        return web.json_response(_state_view(pool, state, time.monotonic()), status=201)
+
+    async def _admin_remove(self, request: web.Request) -> web.StreamResponse:
+        refusal = self._admin_refusal(request)
+        if refusal:
+            return refusal
+        try:
+            body = await self._admin_body(request, "role", "url")
+        except ValueError as exc:
+            return error_response(400, str(exc), "invalid_request_error")
+        role, url = body["role"], body["url"].rstrip("/")
+        pool = self.pools[role]
+        if len(pool) == 1 and pool.find(url) is not None:
+            return error_response(
+                409, f"{url} is the last {role} backend; add another one first", "conflict"
+            )
+        try:
+            state = pool.remove(url)
+        except ValueError as exc:
+            return error_response(404, str(exc), "not_found")
+        log.info("admin: removed %s backend %s (%d legs finishing)", role, url, state.in_flight)
+        return web.json_response({"removed": url, "role": role, "finishing": state.in_flight})
+
+
+def _state_view(pool: Pool, state: BackendState, now: float) -> dict[str, Any]:
+    reported = state.reported
+    return {
+        "url": state.url,
+        "backend": rewrite.format_backend(state.backend),
+        "healthy": state.healthy,
+        "ejected_because": state.reason or None,
+        "ejections": state.ejections,
+        "in_flight": state.in_flight,
+        "in_flight_tokens": state.tokens,
+        "seconds_per_unit": state.estimate,
+        "expected_seconds": pool.cost(state, 1.0, now),
+        "reported": None
+        if reported is None
+        else {
+            "running": reported.running,
+            "waiting": reported.waiting,
+            "kv_usage": reported.kv_usage,
+        },
+    }
+
+
+class _Flight:
+    """One leg in flight on one backend: its share of the backend's load, and a scope that
+    ends the leg at once if the backend is ejected meanwhile (no request waits on a dead
+    backend). Failures leaving it are counted; a refused connection ejects the backend."""
+
+    __slots__ = ("proxy", "role", "leg", "scope", "aborted")
+
+    def __init__(
+        self, proxy: Proxy, role: str, state: BackendState, units: float, tokens: int
+    ) -> None:
+        self.proxy = proxy
+        self.role = role
+        self.leg = proxy.pools[role].begin(state, units, tokens, time.monotonic())
+        self.scope = asyncio.timeout(None)
+        self.aborted = ""
+
+    def answered(self) -> None:
+        self.proxy.pools[self.role].first_byte(self.leg, time.monotonic())
+
+    def abort(self, reason: str) -> None:
+        self.aborted = reason
+        self.scope.reschedule(asyncio.get_running_loop().time())
+
+    async def __aenter__(self) -> _Flight:
+        await self.scope.__aenter__()
+        self.proxy._flights.setdefault(self.leg.state, set()).add(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        state = self.leg.state
+        flights = self.proxy._flights[state]
+        flights.discard(self)
+        if not flights:
+            del self.proxy._flights[state]
+        self.proxy.pools[self.role].end(self.leg)
+        try:
+            await self.scope.__aexit__(exc_type, exc, tb)
+        except TimeoutError:
+            if not self.aborted:
+                raise
+            exc = BackendFailure(
+                self.role, state.backend, 502, f"ejected while in flight ({self.aborted})", LOST
+            )
+            self._count(exc)
+            raise exc from None
+        if isinstance(exc, BackendFailure):
+            self._count(exc)
+            if exc.safety == UNSENT:
+                self.proxy.eject(self.role, state, exc.detail)
+
+    def _count(self, exc: BackendFailure) -> None:
+        self.proxy.metrics.errors.labels(self.role, exc.backend.url, _error_kind(exc)).inc()
 
 
 class _Relay:
@@ -409,12 +783,26 @@ class _Relay:
         self.metrics = metrics
         self.response: web.StreamResponse | None = None
         self.prefill: Backend | None = None  # the prefill this request went to
+        self.prefill_seconds: float | None = None  # how long its leg took, once it answered
 
-    async def forward(self, resp: aiohttp.ClientResponse, backend: Backend) -> None:
+    @property
+    def answered(self) -> bool:
+        return self.response is not None and self.response.prepared
+
+    def _first_byte(self, backend: Backend, on_first_byte: Callable[[], None]) -> None:
+        ttft = time.perf_counter() - self.started
+        self.metrics.ttft.labels(backend.url).observe(ttft)
+        if self.prefill_seconds is not None:
+            self.metrics.handoff.labels(backend.url).observe(max(ttft - self.prefill_seconds, 0))
+        on_first_byte()
+
+    async def forward(
+        self, resp: aiohttp.ClientResponse, backend: Backend, on_first_byte: Callable[[], None]
+    ) -> None:
         content_type = resp.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
             data = await resp.read()
-            self.metrics.ttft.labels(backend.url).observe(time.perf_counter() - self.started)
+            self._first_byte(backend, on_first_byte)
             self.response = web.Response(body=data, headers={"Content-Type": content_type})
             return
         stream = web.StreamResponse(
@@ -423,7 +811,7 @@ class _Relay:
         first = True
         async for chunk in resp.content.iter_any():
             if first:
-                self.metrics.ttft.labels(backend.url).observe(time.perf_counter() - self.started)
+                self._first_byte(backend, on_first_byte)
                 await stream.prepare(self.request)
                 self.response = stream
                 first = False
@@ -433,11 +821,12 @@ class _Relay:
             self.response = stream
         await stream.write_eof()
 
-    async def fail(self, status: int, message: str, backend: str) -> web.StreamResponse:
+    async def fail(self, status: int, message: str, backend: str | None) -> web.StreamResponse:
+        kind = "backend_error"
         if self.response is None or not self.response.prepared:
-            return error_response(status, message, "backend_error", backend)
+            return error_response(status, message, kind, backend)
         # Headers are gone already: tell the streaming client in-band, then end the stream.
-        payload = json.dumps(error_body(message, "backend_error", backend))
+        payload = json.dumps(error_body(message, kind, backend))
         try:
             await self.response.write(f"data: {payload}\n\ndata: [DONE]\n\n".encode())
             await self.response.write_eof()
@@ -467,16 +856,19 @@ def _transport_failure(
             "requests are legitimately this slow)",
         )
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return BackendFailure(
-            role, backend, 502, f"cannot connect ({exc.os_error}); is it running?"
-        )
+        detail = f"cannot connect ({exc.os_error}); is it running?"
+        return BackendFailure(role, backend, 502, detail, UNSENT)
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return BackendFailure(role, backend, 502, f"connection lost ({exc})", LOST)
     return BackendFailure(role, backend, 502, f"{type(exc).__name__}: {exc}")
 
 
-def _error_kind(status: int) -> str:
-    if status == 504:
+def _error_kind(exc: BackendFailure) -> str:
+    if exc.status == 504:
         return "timeout"
-    return "http_4xx" if 400 <= status < 500 else "upstream"
+    if exc.safety:
+        return exc.safety
+    return "http_4xx" if 400 <= exc.status < 500 else "upstream"
 
 
 async def start_proxy(config: ProxyConfig, host: str, port: int) -> web.AppRunner:

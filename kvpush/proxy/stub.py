@@ -1,8 +1,10 @@
 """A fake vLLM backend speaking just enough of the OpenAI API to test and benchmark the proxy.
 
-It answers instantly (or after `delay`), records every request it got, and can be told to
-fail: return an HTTP error, or hang until the client gives up. Not a model: the text it
-returns is fixed, so what a test checks is the proxy's plumbing.
+It answers instantly (or after `delay`; streamed tokens `token_gap` apart), records every
+request it got (unless `record` is off, as in the benchmark), and can be told to fail:
+return an HTTP error (its /health then answers 503), or hang, /health included, until the
+client gives up. Not a model: the text it returns is fixed, so what a test checks is the
+proxy's plumbing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class StubBehaviour:
     status: int = 200
     hang: bool = False
     delay: float = 0.0
+    token_gap: float = 0.0
     tokens: tuple[str, ...] = ("Hello", " from", " stub")
 
 
@@ -29,6 +32,7 @@ class StubBackend:
     behaviour: StubBehaviour = field(default_factory=StubBehaviour)
     received: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
     cancelled: int = 0
+    record: bool = True
     metrics: str = ""  # what /metrics answers, e.g. a kvpush:info line
 
     def app(self) -> web.Application:
@@ -44,6 +48,8 @@ class StubBackend:
         return web.Response(text=self.metrics)
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.behaviour.hang:
+            await asyncio.sleep(3600)
         return web.Response(status=200 if self.behaviour.status == 200 else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -51,7 +57,8 @@ class StubBackend:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.received.append(({k.lower(): v for k, v in request.headers.items()}, body))
+        if self.record:
+            self.received.append(({k.lower(): v for k, v in request.headers.items()}, body))
         b = self.behaviour
         try:
             if b.hang:
@@ -94,7 +101,12 @@ class StubBackend:
             )
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await stream.prepare(request)
-        for token in b.tokens:
+        # Like vLLM, stop at max_tokens (the benchmark's probes ask for one).
+        limit = body.get("max_tokens")
+        tokens = b.tokens[:limit] if isinstance(limit, int) and limit > 0 else b.tokens
+        for i, token in enumerate(tokens):
+            if i and b.token_gap:
+                await asyncio.sleep(b.token_gap)
             chunk = {"id": "d", "choices": [{"index": 0, "text": token, "finish_reason": None}]}
             await stream.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await stream.write(b"data: [DONE]\n\n")

@@ -1,0 +1,129 @@
+"""The proxy's background work: health checks, the optional /metrics scrape, fleet-file reload.
+
+Every `health_interval` seconds each backend of both roles gets `GET /health` (answered
+within `health_timeout`, status 200, or it counts as failed); the pools decide ejection and
+return (`balance.Pool.checked`). Ejected backends keep being checked, which is how they come
+back. With `scrape_interval` > 0 each backend's `/metrics` is read that often for vLLM's
+running/waiting queues and KV usage. With a fleet file, a change to it (by mtime) makes the
+pools the file's lists; a file that does not parse is logged and the pools are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from kvpush.proxy.balance import parse_vllm_metrics
+from kvpush.proxy.fleet import read_fleet
+
+if TYPE_CHECKING:
+    from kvpush.proxy.server import Proxy
+
+log = logging.getLogger("kvpush.proxy")
+
+
+async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:
+    """GET url/health; None when it answers 200 in time, else what went wrong."""
+    try:
+        async with session.get(
+            url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            return None if resp.status == 200 else f"/health answered HTTP {resp.status}"
+    except TimeoutError:
+        return f"/health gave no answer within {timeout:g} s"
+    except aiohttp.ClientConnectorError as exc:
+        return f"cannot connect ({exc.os_error})"
+    except aiohttp.ClientError as exc:
+        return f"/health failed: {type(exc).__name__}: {exc}"
+
+
+class Monitor:
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fleet_mtime = self._mtime()
+
+    def start(self) -> None:
+        config = self.proxy.config
+        self._tasks.append(asyncio.create_task(self._every(config.health_interval, self._tick)))
+        if config.scrape_interval > 0:
+            self._tasks.append(
+                asyncio.create_task(self._every(config.scrape_interval, self.scrape))
+            )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def _every(self, seconds: float, work: Callable[[], Awaitable[None]]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await work()
+            except Exception:  # one bad round must not end the checks for good
+                log.exception("proxy background check failed; trying again in %g s", seconds)
+            await asyncio.sleep(max(0.0, seconds - (loop.time() - started)))
+
+    async def _tick(self) -> None:
+        self.reload_fleet()
+        await self.check_health()
+
+    async def check_health(self) -> None:
+        proxy = self.proxy
+        targets = [(role, state) for role, pool in proxy.pools.items() for state in pool]
+        problems = await asyncio.gather(
+            *(
+                probe_health(proxy.session, state.url, proxy.config.health_timeout)
+                for _, state in targets
+            )
+        )
+        for (role, state), problem in zip(targets, problems, strict=True):
+            proxy.checked(role, state, problem)
+
+    async def scrape(self) -> None:
+        proxy = self.proxy
+        states = [state for pool in proxy.pools.values() for state in pool]
+        texts = await asyncio.gather(*(self._read_metrics(state.url) for state in states))
+        for state, text in zip(states, texts, strict=True):
+            state.reported = parse_vllm_metrics(text) if text else None
+
+    async def _read_metrics(self, url: str) -> str | None:
+        timeout = aiohttp.ClientTimeout(total=self.proxy.config.health_timeout)
+        try:
+            async with self.proxy.session.get(url + "/metrics", timeout=timeout) as resp:
+                return await resp.text() if resp.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError):
+            return None
+
+    def _mtime(self) -> int | None:
+        path = self.proxy.config.fleet_file
+        if path is None:
+            return None
+        try:
+            return path.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def reload_fleet(self) -> None:
+        """Apply the fleet file if it changed since it was last read."""
+        path = self.proxy.config.fleet_file
+        mtime = self._mtime()
+        if path is None or mtime is None or mtime == self._fleet_mtime:
+            return
+        self._fleet_mtime = mtime
+        try:
+            changes = self.proxy.apply_fleet(read_fleet(path))
+        except ValueError as exc:
+            log.error("fleet file %s not applied, keeping the current backends: %s", path, exc)
+            return
+        log.info("fleet file %s applied: %s", path, "; ".join(changes) or "no change")
