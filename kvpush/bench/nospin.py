@@ -1,55 +1,54 @@
 """vLLM's own NIXL connectors with NIXL's progress thread kept from spinning.
 
-NIXL's Python agent starts a progress thread that polls UCX with no delay, so every vLLM
-server using NixlConnector or NixlPushConnector loses a whole core to it, idle or not
-(../shared/ENVIRONMENT.md). On a 2-core machine that thread shares a core with the model, so
-a comparison against vLLM as shipped mixes two effects: the connector's design and the
-spin. This module removes the second without editing vLLM: load vLLM's connector from here
+NIXL's Python agent starts a progress thread and hard-codes its delay between polls to 0,
+so every vLLM server using NixlConnector or NixlPushConnector loses a whole core to that
+thread, idle or not (../shared/ENVIRONMENT.md). On a 2-core machine it shares a core with
+the model, so a comparison against vLLM as shipped mixes two effects: the connector's
+design and the spin. This module removes the second without editing vLLM or NIXL: load
+vLLM's connector from here,
     "kv_connector": "NixlConnector", "kv_connector_module_path": "kvpush.bench.nospin"
-and every NIXL agent vLLM's connector creates in that process gets the settings kvpush
-itself uses: no progress thread, and the UCX backend with `ucx_error_handling_mode=none`,
-so transfers progress from the initiator's own polling (vLLM's connectors poll their
-transfers and notifications on every engine step). Everything else is vLLM's code.
+and every NIXL agent created in that process keeps its progress thread but lets it sleep
+DELAY_US microseconds between polls (NIXL's own `pthrDelay` setting, which the Python API
+does not expose). The thread still drives UCX, so vLLM's connectors work as designed; each
+progress step may just come up to DELAY_US later. Switching the thread off instead is not
+an option: vLLM's push connector then never completes a transfer.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 _CONNECTORS = ("NixlConnector", "NixlPushConnector")
+DELAY_US = int(os.environ.get("KVPUSH_NOSPIN_DELAY_US", "100"))
 
 
-def install() -> type:
-    """Make vLLM's NIXL connectors build quiet agents in this process; returns the class."""
+class _PacedBinding:
+    """NIXL's compiled binding module, except that agents get a progress-thread delay."""
+
+    def __init__(self, binding: Any, delay_us: int) -> None:
+        self._binding, self._delay_us = binding, delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._binding, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 - NIXL's name
+        config.pthrDelay = self._delay_us
+        return self._binding.nixlAgent(name, config)
+
+
+def install(delay_us: int = DELAY_US) -> Any:
+    """Pace the progress thread of every NIXL agent vLLM creates in this process."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-    current: type = base_worker.NixlWrapper  # type: ignore[attr-defined]
-    if getattr(current, "kvpush_nospin", False):
-        return current
-    if current is None:
+    agent_class = base_worker.NixlWrapper  # type: ignore[attr-defined]
+    if agent_class is None:
         raise RuntimeError("NIXL is not importable here, so vLLM's NIXL connectors cannot run")
-
-    class QuietNixlAgent(current):  # type: ignore[misc]
-        """A NIXL agent without the spinning progress thread."""
-
-        kvpush_nospin = True
-
-        def __init__(self, name: str, config: Any = None, *args: Any, **kwargs: Any) -> None:
-            if config is None:
-                from nixl._api import nixl_agent_config
-
-                config = nixl_agent_config()
-            config.enable_pthread = False
-            super().__init__(name, config, *args, **kwargs)
-
-        def create_backend(self, backend: str, params: dict[str, str] | None = None) -> Any:
-            params = dict(params or {})
-            if backend == "UCX":
-                params.setdefault("ucx_error_handling_mode", "none")
-            return super().create_backend(backend, params)
-
-    base_worker.NixlWrapper = QuietNixlAgent  # type: ignore[attr-defined]
-    return QuietNixlAgent
+    api = sys.modules[agent_class.__module__]
+    if not isinstance(api.nixlBind, _PacedBinding):
+        api.nixlBind = _PacedBinding(api.nixlBind, delay_us)  # type: ignore[attr-defined]
+    return api.nixlBind
 
 
 def __getattr__(name: str) -> Any:
