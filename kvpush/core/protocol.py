@@ -2,16 +2,25 @@
 
 A frame is
 
-    b"KP" | version: u8 | type: u8 | msgpack array of the fields | HMAC-SHA256 (32 bytes)
+    b"KP" | version: u8 | type: u8 | [seal: nonce (16 bytes) | sequence: u64]
+          | msgpack array of the fields | [HMAC-SHA256 (32 bytes)]
 
-The high bit of the type byte says whether the HMAC is present; it is present exactly when
-the sender has a shared secret, and covers everything before it. Peers must agree on the
+Two flag bits of the type byte say what is present. The HMAC is present exactly when the
+sender has a shared secret, and covers everything before it. Peers must agree on the
 secret: a frame with a MAC where none is configured is refused like a wrong MAC, so a
 half-configured pair fails at the first message instead of running unauthenticated.
 
+The seal binds a frame to one connection and one position in it, so a recorded frame
+cannot be replayed: each side of a control connection opens with a greeting carrying a
+fresh random nonce, and every frame it then receives must be sealed with that nonce and
+the next sequence number (`Seal`). A replayed frame keeps a valid MAC but names another
+connection's nonce or an old position, and is refused as "replayed". The seal is covered
+by the MAC, so it is only as strong as the shared secret; without one it only catches
+confusion, not an attacker.
+
 `decode` is the one place where untrusted bytes are checked. It bounds the frame size,
-checks header and MAC before parsing, then checks every field's exact type and range, and
-raises `ProtocolError` (and nothing else) for anything it does not accept.
+checks header, MAC and seal before parsing, then checks every field's exact type and
+range, and raises `ProtocolError` (and nothing else) for anything it does not accept.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import hmac
+import struct
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal
@@ -27,9 +37,11 @@ import msgpack
 
 from kvpush.core.planning import ORDERS, KVLayout, PlanError, check_mappable
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"KP"
+GREETING_MAGIC = b"KPHI"
 MAC_SIZE = 32
+NONCE_SIZE = 16
 DEFAULT_MAX_FRAME = 1 << 20
 MAX_BLOCK_IDS = 1_000_000
 MAX_REGIONS = 65_536
@@ -41,6 +53,11 @@ I63_MAX = 2**63 - 1
 
 _HEADER_SIZE = 4
 _MAC_FLAG = 0x80
+_SEAL_FLAG = 0x40
+_TYPE_MASK = 0x3F
+_SEQ = struct.Struct(">Q")
+_SEAL_SIZE = NONCE_SIZE + _SEQ.size
+GREETING_SIZE = len(GREETING_MAGIC) + 1 + NONCE_SIZE
 
 Role = Literal["prefill", "decode"]
 Mode = Literal["push", "pull"]
@@ -51,7 +68,15 @@ MODES: tuple[Mode, ...] = ("push", "pull")
 class ProtocolError(Exception):
     """A frame that was refused. `kind` is a short code to count as a metric."""
 
-    KINDS = ("too_large", "bad_magic", "bad_version", "bad_type", "bad_mac", "malformed")
+    KINDS = (
+        "too_large",
+        "bad_magic",
+        "bad_version",
+        "bad_type",
+        "bad_mac",
+        "replayed",
+        "malformed",
+    )
 
     def __init__(self, kind: str, reason: str) -> None:
         super().__init__(f"{kind}: {reason}")
@@ -229,11 +254,20 @@ class WriteDone:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    """Either direction: generations up to `generation` of the transfer are abandoned."""
+    """Either direction: generations up to `generation` of the transfer are abandoned.
+
+    Decode -> prefill (push): prefill answers at `ack_host`:`ack_port` with a `WriteDone`
+    for `generation` once none of its WRITEs can land in decode's blocks any more: at once
+    (ok=False) when none is in flight, else when the one in flight ended. Decode reuses the
+    blocks only after that answer (or when prefill is gone). Prefill -> decode (pull, the
+    negative answer to a `ReadDone` or `LeaseRenew`): `ack_port` is 0, nothing is answered.
+    """
 
     transfer_id: str = field(metadata=_ID)
     generation: int = field(metadata=_GENERATION)
     reason: str = field(metadata=_TEXT)
+    ack_host: str = field(default="", metadata=_wire(_str(255, empty=True)))
+    ack_port: int = field(default=0, metadata=_wire(_int(0, 65535)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,21 +311,65 @@ _CODES: dict[type[Message], int] = {cls: code for code, cls in _TYPES.items()}
 _FIELDS: dict[type[Message], tuple[Field[Any], ...]] = {cls: fields(cls) for cls in _CODES}
 
 
-def encode(msg: Message, secret: bytes | None = None) -> bytes:
-    """One frame for `msg`, authenticated when `secret` is set."""
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """Where a frame belongs: the receiver's connection `nonce` and position `sequence`."""
+
+    nonce: bytes
+    sequence: int
+
+    def __post_init__(self) -> None:
+        if len(self.nonce) != NONCE_SIZE or not 0 <= self.sequence <= U64_MAX:
+            raise ValueError(f"a seal is a {NONCE_SIZE}-byte nonce and a u64 sequence number")
+
+
+def greeting(nonce: bytes) -> bytes:
+    """What each side of a control connection sends first: version and its fresh nonce."""
+    if len(nonce) != NONCE_SIZE:
+        raise ValueError(f"a greeting carries a {NONCE_SIZE}-byte nonce")
+    return GREETING_MAGIC + bytes((PROTOCOL_VERSION,)) + nonce
+
+
+def parse_greeting(data: bytes) -> bytes:
+    """The peer's nonce from its `greeting`; raises `ProtocolError` for anything else."""
+    if len(data) != GREETING_SIZE or data[: len(GREETING_MAGIC)] != GREETING_MAGIC:
+        raise ProtocolError(
+            "bad_magic",
+            f"not a kvpush greeting (starts with {bytes(data[:4])!r}); check that the peer "
+            "address points at a kvpush side channel",
+        )
+    version = data[len(GREETING_MAGIC)]
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", _version_mismatch(version))
+    return bytes(data[len(GREETING_MAGIC) + 1 :])
+
+
+def encode(msg: Message, secret: bytes | None = None, seal: Seal | None = None) -> bytes:
+    """One frame for `msg`, authenticated when `secret` is set, bound to `seal` if given."""
     _check_secret(secret)
     cls = type(msg)
     values = [_to_wire(getattr(msg, f.name)) for f in _FIELDS[cls]]
     payload: bytes = msgpack.packb(values)
-    flags = _MAC_FLAG if secret else 0
-    frame = MAGIC + bytes((PROTOCOL_VERSION, _CODES[cls] | flags)) + payload
+    flags = (_MAC_FLAG if secret else 0) | (_SEAL_FLAG if seal else 0)
+    frame = MAGIC + bytes((PROTOCOL_VERSION, _CODES[cls] | flags))
+    if seal:
+        frame += seal.nonce + _SEQ.pack(seal.sequence)
+    frame += payload
     if secret:
         frame += hmac.digest(secret, frame, hashlib.sha256)
     return frame
 
 
-def decode(data: bytes, secret: bytes | None = None, max_size: int = DEFAULT_MAX_FRAME) -> Message:
-    """The message in `data`; raises `ProtocolError` for anything not a valid frame."""
+def decode(
+    data: bytes,
+    secret: bytes | None = None,
+    max_size: int = DEFAULT_MAX_FRAME,
+    seal: Seal | None = None,
+) -> Message:
+    """The message in `data`; raises `ProtocolError` for anything not a valid frame.
+
+    With `seal`, the frame must be sealed with exactly that nonce and sequence number.
+    """
     _check_secret(secret)
     if len(data) > max_size:
         raise ProtocolError(
@@ -308,18 +386,21 @@ def decode(data: bytes, secret: bytes | None = None, max_size: int = DEFAULT_MAX
             "address points at a kvpush side channel",
         )
     if data[2] != PROTOCOL_VERSION:
-        raise ProtocolError(
-            "bad_version",
-            f"peer speaks kvpush protocol v{data[2]}, this instance v{PROTOCOL_VERSION}; "
-            "run the same kvpush version on prefill and decode",
-        )
-    cls = _TYPES.get(data[3] & ~_MAC_FLAG)
+        raise ProtocolError("bad_version", _version_mismatch(data[2]))
+    cls = _TYPES.get(data[3] & _TYPE_MASK)
     if cls is None:
-        raise ProtocolError("bad_type", f"unknown message type {data[3] & ~_MAC_FLAG}")
+        raise ProtocolError("bad_type", f"unknown message type {data[3] & _TYPE_MASK}")
     body = _authenticated_body(data, bool(data[3] & _MAC_FLAG), secret)
+    start = _HEADER_SIZE
+    if data[3] & _SEAL_FLAG:
+        start += _SEAL_SIZE
+        if len(body) < start:
+            raise ProtocolError("malformed", "frame is too short to carry its seal")
+    if seal is not None:
+        _check_seal(body, seal)
     try:
         values = msgpack.unpackb(
-            body[_HEADER_SIZE:],
+            body[start:],
             raw=False,
             max_str_len=4 * MAX_TEXT_LEN,
             max_bin_len=max_size,
@@ -332,9 +413,33 @@ def decode(data: bytes, secret: bytes | None = None, max_size: int = DEFAULT_MAX
     return _build(cls, values)
 
 
+def _version_mismatch(version: int) -> str:
+    return (
+        f"peer speaks kvpush protocol v{version}, this instance v{PROTOCOL_VERSION}; "
+        "run the same kvpush version on prefill and decode"
+    )
+
+
 def _check_secret(secret: bytes | None) -> None:
     if secret is not None and not secret:
         raise ValueError("the shared secret is empty; configure a non-empty secret or none")
+
+
+def _check_seal(body: bytes, seal: Seal) -> None:
+    if not body[3] & _SEAL_FLAG:
+        raise ProtocolError("replayed", "frame is not sealed to this connection")
+    nonce = body[_HEADER_SIZE : _HEADER_SIZE + NONCE_SIZE]
+    (sequence,) = _SEQ.unpack_from(body, _HEADER_SIZE + NONCE_SIZE)
+    if nonce != seal.nonce:
+        raise ProtocolError(
+            "replayed", "frame is sealed to another connection (a recorded frame sent again?)"
+        )
+    if sequence != seal.sequence:
+        raise ProtocolError(
+            "replayed",
+            f"frame is number {sequence} of this connection, expected {seal.sequence} "
+            "(a frame sent twice or dropped?)",
+        )
 
 
 def _authenticated_body(data: bytes, signed: bool, secret: bytes | None) -> bytes:

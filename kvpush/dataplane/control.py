@@ -1,21 +1,29 @@
 """The control channel: small kvpush messages over TCP between instances.
 
-A frame on the wire is a 4-byte big-endian length, then `protocol.encode(msg, secret)`.
+A connection opens with each side's `protocol.greeting` (protocol version and a fresh
+random nonce); then every frame on the wire is a 4-byte big-endian length and
+`protocol.encode(msg, secret, seal)`, sealed with the *receiver's* nonce and the frame's
+position in that direction. So a frame recorded on one connection is refused on any other
+and at any other position ("replayed"), with no clock and no memory of past frames.
+
 `ControlServer` runs one thread that blocks in `selectors` (an idle server costs nothing),
 decodes each frame with `protocol.decode` (the one place untrusted bytes are checked) and
 calls the handler on that thread; a message the handler returns goes back on the same
-connection as the reply. A frame that is oversized, malformed or not authenticated with the
-shared secret is counted in `ControlServer.rejected` by `ProtocolError.kind`, logged, and
-its connection closed; other connections are unaffected.
+connection as the reply. A frame that is oversized, malformed, replayed or not
+authenticated with the shared secret is counted in `ControlServer.rejected` by
+`ProtocolError.kind`, logged, and its connection closed; other connections are unaffected.
 
 `ControlClient` keeps one connection, sends a frame and (for `request`) waits for one reply;
 it reconnects once when the connection turns out to be broken (the peer restarted).
+`Unreachable` (nothing listens at the address) tells a peer that is not running from one
+that is slow.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import selectors
 import socket
 import struct
@@ -25,7 +33,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
-from kvpush.core.protocol import DEFAULT_MAX_FRAME, Message, ProtocolError, decode, encode
+from kvpush.core.protocol import (
+    DEFAULT_MAX_FRAME,
+    GREETING_SIZE,
+    NONCE_SIZE,
+    Message,
+    ProtocolError,
+    Seal,
+    decode,
+    encode,
+    greeting,
+    parse_greeting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +67,14 @@ class Peer:
 Handler = Callable[[Message, Peer], Message | None]
 
 
-def frame(msg: Message, secret: bytes | None = None) -> bytes:
+def frame(msg: Message, secret: bytes | None = None, seal: Seal | None = None) -> bytes:
     """`msg` framed for the control channel."""
-    body = encode(msg, secret)
+    body = encode(msg, secret, seal)
     return _LENGTH.pack(len(body)) + body
+
+
+class Unreachable(ConnectionError):
+    """Nothing listens at the peer's address (connection refused): it is not running."""
 
 
 def _check_secret(secret: bytes | None) -> None:
@@ -69,6 +92,10 @@ class _Conn:
     peer: Peer
     inbuf: bytearray
     outbuf: bytearray
+    nonce: bytes  # ours: frames from the client must carry it
+    peer_nonce: bytes = b""  # the client's, from its greeting: our replies carry it
+    received: int = 0
+    sent: int = 0
     events: int = selectors.EVENT_READ
 
 
@@ -219,11 +246,21 @@ class ControlServer:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._next_id += 1
+            nonce = os.urandom(NONCE_SIZE)
             conn = _Conn(
-                sock, Peer(str(addr[0]), int(addr[1]), self._next_id), bytearray(), bytearray()
+                sock,
+                Peer(str(addr[0]), int(addr[1]), self._next_id),
+                bytearray(),
+                bytearray(greeting(nonce)),
+                nonce,
             )
             self._conns[sock] = conn
             self._selector.register(sock, selectors.EVENT_READ, conn)
+            try:
+                self._flush(conn)
+            except OSError as exc:
+                log.debug("control connection %s failed: %s", conn.peer, exc)
+                self._close(conn)
 
     def _service(self, conn: _Conn, events: int) -> None:
         try:
@@ -254,6 +291,11 @@ class ControlServer:
 
     def _process(self, conn: _Conn) -> None:
         """Handle every complete frame; pause while a reply waits to be sent."""
+        if not conn.peer_nonce:
+            if len(conn.inbuf) < GREETING_SIZE:
+                return
+            conn.peer_nonce = parse_greeting(bytes(conn.inbuf[:GREETING_SIZE]))
+            del conn.inbuf[:GREETING_SIZE]
         while not conn.outbuf and len(conn.inbuf) >= _LENGTH.size:
             (size,) = _LENGTH.unpack_from(conn.inbuf)
             if size > self.max_frame:
@@ -266,15 +308,22 @@ class ControlServer:
                 return
             body = bytes(conn.inbuf[_LENGTH.size : end])
             del conn.inbuf[:end]
-            reply = self._call(decode(body, self.secret, self.max_frame), conn.peer)
+            msg = decode(body, self.secret, self.max_frame, Seal(conn.nonce, conn.received))
+            conn.received += 1
+            reply = self._call(msg, conn)
             if reply is not None:
                 conn.outbuf += reply
                 self._flush(conn)
 
-    def _call(self, msg: Message, peer: Peer) -> bytes | None:
+    def _call(self, msg: Message, conn: _Conn) -> bytes | None:
+        peer = conn.peer
         try:
             reply = self.handler(msg, peer)
-            return None if reply is None else frame(reply, self.secret)
+            if reply is None:
+                return None
+            data = frame(reply, self.secret, Seal(conn.peer_nonce, conn.sent))
+            conn.sent += 1
+            return data
         except Exception as exc:
             self.handler_errors += 1
             log.exception(
@@ -330,29 +379,45 @@ class ControlClient:
         self.timeout = timeout
         self.max_frame = max_frame
         self._sock: socket.socket | None = None
+        self._nonce = b""  # ours: replies must carry it
+        self._peer_nonce = b""  # the server's: our frames carry it
+        self._sent = 0
+        self._received = 0
         self._lock = threading.Lock()
+        # Counts the connections made, so a caller can tell which one a frame went out on.
+        self.connection = 0
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def peer_closed(self) -> bool:
+        """True if the connection this client had was closed by the peer (it exited or
+        restarted since); False if it is open, was never made, or is busy right now."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._sock is not None and self._closed_by_peer(self._sock)
+        finally:
+            self._lock.release()
+
     def request(self, msg: Message, timeout: float | None = None) -> Message:
         """Send `msg` and return the reply; only for messages the peer answers.
 
-        Raises `ConnectionError` if the peer cannot be reached or closes the connection
-        without replying, `TimeoutError` if no reply comes within `timeout` (default: the
-        client's), `ProtocolError` if the reply is not a valid frame. When the connection
-        breaks after the frame was sent, the retry delivers it a second time: handlers
-        must be idempotent (kvpush messages carry transfer id and generation for that).
+        Raises `Unreachable` if nothing listens at the address, `ConnectionError` if the
+        peer cannot be reached otherwise or closes the connection without replying,
+        `TimeoutError` if no reply comes within `timeout` (default: the client's),
+        `ProtocolError` if the reply is not a valid frame. When the connection breaks after
+        the frame was sent, the retry delivers it a second time: handlers must be
+        idempotent (kvpush messages carry transfer id and generation for that).
         """
-        data = frame(msg, self.secret)
         limit = self.timeout if timeout is None else timeout
         with self._lock:
             for attempt in range(2):
                 sock = self._connected()
                 try:
                     sock.settimeout(limit)
-                    sock.sendall(data)
+                    sock.sendall(self._frame(msg))
                     return self._reply(sock, time.monotonic() + limit)
                 except TimeoutError as exc:
                     self._drop()
@@ -373,14 +438,13 @@ class ControlClient:
         raise AssertionError("unreachable")
 
     def send(self, msg: Message) -> None:
-        """Send `msg` without waiting for a reply."""
-        data = frame(msg, self.secret)
+        """Send `msg` without waiting for a reply (errors as for `request`)."""
         with self._lock:
             for attempt in range(2):
                 sock = self._connected()
                 try:
                     sock.settimeout(self.timeout)
-                    sock.sendall(data)
+                    sock.sendall(self._frame(msg))
                     return
                 except OSError as exc:
                     self._drop()
@@ -404,20 +468,43 @@ class ControlClient:
     ) -> None:
         self.close()
 
+    def _frame(self, msg: Message) -> bytes:
+        data = frame(msg, self.secret, Seal(self._peer_nonce, self._sent))
+        self._sent += 1
+        return data
+
     def _connected(self) -> socket.socket:
         """The open connection, replaced first if the peer has closed it."""
         if self._sock is not None and self._closed_by_peer(self._sock):
             self._drop()
         if self._sock is None:
+            hint = "check that the peer is running and listens on that address"
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            except ConnectionRefusedError as exc:
+                raise Unreachable(
+                    f"nothing listens for kvpush control messages at {self.address}; {hint}"
+                ) from exc
             except OSError as exc:
                 raise ConnectionError(
-                    f"cannot reach the kvpush control channel at {self.address}: {exc}; "
-                    "check that the peer is running and listens on that address"
+                    f"cannot reach the kvpush control channel at {self.address}: {exc}; {hint}"
                 ) from exc
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                nonce = os.urandom(NONCE_SIZE)
+                sock.sendall(greeting(nonce))
+                peer_nonce = parse_greeting(
+                    self._recv_exactly(sock, GREETING_SIZE, time.monotonic() + self.timeout)
+                )
+            except (OSError, ProtocolError) as exc:
+                sock.close()
+                what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc}"
+                raise ConnectionError(
+                    f"greeting the kvpush control channel at {self.address} {what}; {hint}"
+                ) from exc
+            self._sock, self._nonce, self._peer_nonce = sock, nonce, peer_nonce
+            self._sent = self._received = 0
+            self.connection += 1
         return self._sock
 
     @staticmethod
@@ -445,7 +532,10 @@ class ControlClient:
                 f"reply from {self.address} of {size} bytes exceeds the "
                 f"{self.max_frame}-byte limit",
             )
-        return decode(self._recv_exactly(sock, size, deadline), self.secret, self.max_frame)
+        seal = Seal(self._nonce, self._received)
+        msg = decode(self._recv_exactly(sock, size, deadline), self.secret, self.max_frame, seal)
+        self._received += 1
+        return msg
 
     @staticmethod
     def _recv_exactly(sock: socket.socket, size: int, deadline: float) -> bytes:

@@ -9,8 +9,21 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpush.core.protocol import Cancel, LeaseRenew, Message, ReadDone, encode
-from kvpush.dataplane.control import ControlClient, ControlServer, Peer, frame
+from kvpush.core.protocol import (
+    GREETING_SIZE,
+    NONCE_SIZE,
+    PROTOCOL_VERSION,
+    Cancel,
+    LeaseRenew,
+    Message,
+    ProtocolError,
+    ReadDone,
+    Seal,
+    encode,
+    greeting,
+    parse_greeting,
+)
+from kvpush.dataplane.control import ControlClient, ControlServer, Peer, Unreachable, frame
 
 SECRET = b"control-test-secret"
 
@@ -47,21 +60,51 @@ def client_for(server: ControlServer, secret: bytes | None = SECRET) -> ControlC
     return ControlClient("127.0.0.1", server.port, secret=secret, timeout=2.0)
 
 
-def raw_send(port: int, data: bytes) -> bytes:
-    """Send raw bytes, then read until the server closes the connection.
+OUR_NONCE = b"n" * NONCE_SIZE
 
-    A server closing with unread bytes makes the kernel reset the connection; that counts
-    as closed too.
-    """
+
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, "connection closed"
+        data += chunk
+    return data
+
+
+def raw_connect(
+    port: int, hello: bytes | None = greeting(OUR_NONCE)
+) -> tuple[socket.socket, bytes]:
+    """A hand-made client: connect, read the server's greeting, send ours (`hello`)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=2.0)
+    server_nonce = parse_greeting(recv_exactly(sock, GREETING_SIZE))
+    if hello is not None:
+        sock.sendall(hello)
+    return sock, server_nonce
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """A server closing with unread bytes makes the kernel reset the connection; that counts
+    as closed too."""
     received = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=2.0) as sock:
+    with sock:
         try:
-            sock.sendall(data)
             while chunk := sock.recv(4096):
                 received += chunk
         except ConnectionResetError:
             pass
     return received
+
+
+def raw_send(port: int, data: bytes, hello: bytes | None = greeting(OUR_NONCE)) -> bytes:
+    """After the greetings, send raw bytes; then read until the server closes."""
+    sock, _ = raw_connect(port, hello)
+    sock.sendall(data)
+    return read_until_closed(sock)
+
+
+def sealed(msg: Message, nonce: bytes, sequence: int, secret: bytes | None = SECRET) -> bytes:
+    return frame(msg, secret, Seal(nonce, sequence))
 
 
 def free_port() -> int:
@@ -99,7 +142,10 @@ def test_garbage_and_oversized_frames_are_refused_and_counted(server: ControlSer
     assert raw_send(server.port, b"GET / HTTP/1.1\r\n\r\n") == b""  # reads as a huge length
     unsigned = encode(LeaseRenew("t", 0))
     assert raw_send(server.port, struct.pack(">I", len(unsigned)) + unsigned) == b""
-    assert server.rejected == {"bad_magic": 1, "too_large": 2, "bad_mac": 1}
+    assert raw_send(server.port, b"", hello=b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") == b""
+    wrong = b"KPHI" + bytes((PROTOCOL_VERSION + 1,)) + OUR_NONCE
+    assert raw_send(server.port, b"", hello=wrong) == b""
+    assert server.rejected == {"bad_magic": 2, "too_large": 2, "bad_mac": 1, "bad_version": 1}
     with client_for(server) as client:  # still serving
         assert client.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, 0, 1, True, "")
 
@@ -110,6 +156,51 @@ def test_a_refused_frame_closes_only_its_own_connection(server: ControlServer) -
         raw_send(server.port, struct.pack(">I", 2) + b"KP")
         assert good.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, 0, 1, True, "")
     assert server.rejected == {"malformed": 1}
+
+
+def test_replayed_frames_are_refused_and_counted(server: ControlServer, recorder: Recorder) -> None:
+    msg = LeaseRenew("t-1", 0)
+    answer = frame(ReadDone("t-1", 0, 0, 1, True, ""), SECRET, Seal(OUR_NONCE, 0))
+    sock, nonce = raw_connect(server.port)
+    recorded = sealed(msg, nonce, 0)
+    sock.sendall(recorded)
+    assert recv_exactly(sock, len(answer)) == answer  # the genuine frame is served
+    sock.sendall(recorded)  # the same frame again on the same connection
+    assert read_until_closed(sock) == b""
+    assert raw_send(server.port, recorded) == b"", "a recorded frame on a new connection"
+    sock, nonce = raw_connect(server.port)
+    sock.sendall(sealed(msg, nonce, 1))  # a frame from the future: one was skipped
+    assert read_until_closed(sock) == b""
+    sock, nonce = raw_connect(server.port)
+    sock.sendall(frame(msg, SECRET))  # not sealed at all
+    assert read_until_closed(sock) == b""
+    assert server.rejected == {"replayed": 4}
+    assert [m for m, _ in recorder.received] == [msg], "no replay reached the handler"
+
+
+def test_a_replayed_reply_is_refused_by_the_client(recorder: Recorder) -> None:
+    """A fake server that answers with a reply recorded from another connection."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        stale = sealed(ReadDone("t-1", 0, 0, 1, True, ""), b"s" * NONCE_SIZE, 0)
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(greeting(b"x" * NONCE_SIZE))
+                recv_exactly(conn, GREETING_SIZE)
+                conn.recv(4096)
+                conn.sendall(stale)
+                conn.recv(4096)
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        with (
+            ControlClient("127.0.0.1", port, secret=SECRET, timeout=2.0) as client,
+            pytest.raises(ProtocolError, match="another connection"),
+        ):
+            client.request(LeaseRenew("t-1", 0))
+        thread.join()
 
 
 def test_wrong_secret_is_refused(server: ControlServer) -> None:
@@ -126,10 +217,34 @@ def test_wrong_secret_is_refused(server: ControlServer) -> None:
 def test_connection_refused_names_the_address() -> None:
     port = free_port()
     with ControlClient("127.0.0.1", port, timeout=1.0) as client:
-        with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+        with pytest.raises(Unreachable, match=f"127.0.0.1:{port}"):
             client.request(LeaseRenew("t-1", 0))
-        with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+        with pytest.raises(Unreachable, match=f"127.0.0.1:{port}"):
             client.send(LeaseRenew("t-1", 0))
+
+
+def test_a_peer_that_never_greets_fails_the_connect_within_the_timeout() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        client = ControlClient("127.0.0.1", silent.getsockname()[1], timeout=0.3)
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="greeting .* timed out"):
+            client.send(LeaseRenew("t-1", 0))
+        assert time.monotonic() - started < 2.0
+
+
+def test_peer_closed_tells_a_restarted_peer(recorder: Recorder) -> None:
+    server = ControlServer("127.0.0.1", 0, recorder)
+    server.start()
+    client = ControlClient("127.0.0.1", server.port, timeout=2.0)
+    assert not client.peer_closed(), "no connection yet"
+    client.request(LeaseRenew("t-1", 0))
+    assert not client.peer_closed()
+    server.stop()
+    deadline = time.monotonic() + 2.0
+    while not client.peer_closed():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    client.close()
 
 
 def test_handler_failure_closes_the_connection_not_the_server(
@@ -178,10 +293,12 @@ def test_requests_from_many_threads_get_their_own_replies(server: ControlServer)
 
 
 def test_pipelined_frames_in_one_segment_are_all_answered(server: ControlServer) -> None:
-    data = b"".join(frame(LeaseRenew(f"t-{i}", i), SECRET) for i in range(50))
-    with socket.create_connection(("127.0.0.1", server.port), timeout=2.0) as sock:
-        sock.sendall(data)
-        expected = b"".join(frame(ReadDone(f"t-{i}", i, 0, 1, True, ""), SECRET) for i in range(50))
+    sock, nonce = raw_connect(server.port)
+    with sock:
+        sock.sendall(b"".join(sealed(LeaseRenew(f"t-{i}", i), nonce, i) for i in range(50)))
+        expected = b"".join(
+            sealed(ReadDone(f"t-{i}", i, 0, 1, True, ""), OUR_NONCE, i) for i in range(50)
+        )
         received = b""
         while len(received) < len(expected):
             chunk = sock.recv(65536)
@@ -196,7 +313,8 @@ def test_connections_beyond_the_limit_are_refused(recorder: Recorder) -> None:
         second = client_for(server, secret=None)
         assert first.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, 0, 1, True, "")
         assert second.request(LeaseRenew("t-2", 0)) == ReadDone("t-2", 0, 0, 1, True, "")
-        assert raw_send(server.port, frame(LeaseRenew("t-3", 0))) == b""
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2.0) as sock:
+            assert read_until_closed(sock) == b"", "closed without a greeting"
         assert server.rejected == {"too_many_connections": 1}
         second.close()
         third = client_for(server, secret=None)

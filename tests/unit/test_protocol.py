@@ -13,6 +13,7 @@ from kvpush.core.protocol import (
     MAC_SIZE,
     MAX_BLOCK_IDS,
     MAX_ID_LEN,
+    NONCE_SIZE,
     PROTOCOL_VERSION,
     Cancel,
     Hello,
@@ -21,10 +22,13 @@ from kvpush.core.protocol import (
     ProtocolError,
     ReadDone,
     Registration,
+    Seal,
     WriteDone,
     check_compatible,
     decode,
     encode,
+    greeting,
+    parse_greeting,
 )
 
 SECRET = b"correct horse battery staple"
@@ -70,6 +74,7 @@ EXAMPLES: list[Message] = [
     WriteDone("t-1", 3, 1, 2, True, ""),
     WriteDone("t-1", 3, 0, 2, False, "NIXL_ERR_REMOTE_DISCONNECT"),
     Cancel("t-1", 2, "client went away"),
+    Cancel("t-1", 2, "client went away", "10.0.0.2", 5601),
     LeaseRenew("t-1", 0),
     ReadDone("t-1", 0, 1, 2, True, ""),
 ]
@@ -151,7 +156,7 @@ messages = st.one_of(
     hellos(),
     registrations(),
     write_dones(),
-    st.builds(Cancel, ids, generations, texts),
+    st.builds(Cancel, ids, generations, texts, st.text(max_size=30), st.integers(0, 65535)),
     st.builds(LeaseRenew, ids, generations),
     read_dones(),
 )
@@ -184,6 +189,68 @@ def test_any_valid_message_round_trips(msg: Message, secret: bytes | None) -> No
 def test_frame_is_compact() -> None:
     assert len(encode(WriteDone("t-1", 3, 1, 2, True, ""))) < 20
     assert len(encode(WriteDone("t-1", 3, 1, 2, True, ""), SECRET)) < 20 + MAC_SIZE
+
+
+# -- seals: a frame belongs to one connection and one position in it ---------------------
+
+NONCE = bytes(range(NONCE_SIZE))
+OTHER_NONCE = b"\xff" * NONCE_SIZE
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_sealed_frame_decodes_only_at_its_own_place(secret: bytes | None) -> None:
+    frame = encode(REGISTRATION, secret, Seal(NONCE, 7))
+    assert decode(frame, secret, seal=Seal(NONCE, 7)) == REGISTRATION
+    assert decode(frame, secret) == REGISTRATION, "a receiver that checks no seal"
+    assert kind_of(frame, secret, seal=Seal(OTHER_NONCE, 7)) == "replayed"
+    assert kind_of(frame, secret, seal=Seal(NONCE, 8)) == "replayed"
+    assert kind_of(encode(REGISTRATION, secret), secret, seal=Seal(NONCE, 0)) == "replayed"
+
+
+def test_a_resealed_frame_fails_its_mac() -> None:
+    frame = bytearray(encode(REGISTRATION, SECRET, Seal(NONCE, 7)))
+    frame[4:20] = OTHER_NONCE  # an attacker moving a recorded frame to its own connection
+    assert kind_of(bytes(frame), SECRET, seal=Seal(OTHER_NONCE, 7)) == "bad_mac"
+
+
+def test_greetings() -> None:
+    assert parse_greeting(greeting(NONCE)) == NONCE
+    with pytest.raises(ProtocolError, match="not a kvpush greeting") as info:
+        parse_greeting(b"GET / HTTP/1.1\r\nHost: xy\r\n")
+    assert info.value.kind == "bad_magic"
+    other = greeting(NONCE)[:4] + bytes([PROTOCOL_VERSION + 1]) + NONCE
+    with pytest.raises(ProtocolError, match="run the same kvpush version") as info:
+        parse_greeting(other)
+    assert info.value.kind == "bad_version"
+    with pytest.raises(ValueError):
+        greeting(b"short")
+    with pytest.raises(ValueError):
+        Seal(b"short", 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(messages, st.binary(min_size=NONCE_SIZE, max_size=NONCE_SIZE), st.integers(0, 2**64 - 1))
+def test_any_sealed_message_round_trips_and_nowhere_else(
+    msg: Message, nonce: bytes, sequence: int
+) -> None:
+    frame = encode(msg, SECRET, Seal(nonce, sequence))
+    assert decode(frame, SECRET, seal=Seal(nonce, sequence)) == msg
+    elsewhere = Seal(nonce, (sequence + 1) % 2**64)
+    assert kind_of(frame, SECRET, seal=elsewhere) == "replayed"
+
+
+@settings(max_examples=200, deadline=None)
+@given(messages, st.data())
+def test_fuzz_sealed_bit_flips(msg: Message, data: st.DataObject) -> None:
+    frame = bytearray(encode(msg, SECRET, Seal(NONCE, 3)))
+    for bit in data.draw(st.lists(st.integers(0, len(frame) * 8 - 1), min_size=1, max_size=3)):
+        frame[bit // 8] ^= 1 << (bit % 8)
+    try:
+        decoded = decode(bytes(frame), SECRET, seal=Seal(NONCE, 3))
+    except ProtocolError as exc:
+        assert exc.kind in ProtocolError.KINDS
+    else:
+        assert decoded == msg and bytes(frame) == encode(msg, SECRET, Seal(NONCE, 3))
 
 
 # -- refusals ----------------------------------------------------------------------------
@@ -376,7 +443,10 @@ def test_compatible_peers() -> None:
 @pytest.mark.parametrize(
     ("changes", "words"),
     [
-        ({"version": PROTOCOL_VERSION + 1}, ["v2", "v1", "same kvpush version"]),
+        (
+            {"version": PROTOCOL_VERSION + 1},
+            [f"v{PROTOCOL_VERSION + 1}", f"v{PROTOCOL_VERSION}", "same kvpush version"],
+        ),
         ({"mode": "pull"}, ["pull", "push", "same kvpush mode"]),
         ({"role": "prefill"}, ["both prefill", "connect a prefill instance"]),
         ({"model": "other/model"}, ["'other/model'", "'Qwen/Qwen3-32B'", "same model"]),
