@@ -11,9 +11,14 @@ once. The rules it keeps:
 - a registration with a newer generation replaces an older one; a generation is written
   at most once and never after a newer one was seen; a newer registration arriving during
   a write waits for it and is written next, from the same blocks;
-- every registration that prefill stops serving (deadline, cancel, write failure, local
-  abort, blocks already gone) produces a `NotifyFailure`, so decode fails fast instead of
+- every registration that prefill stops serving (deadline, write failure, local abort,
+  blocks already gone) produces a `NotifyFailure`, so decode fails fast instead of
   waiting for its own timeout;
+- a `cancel` from decode is acknowledged (a `NotifyFailure` to the address it names) once
+  no write of that transfer can land in decode's blocks any more: at once when none is in
+  flight, else when the one in flight ended. Decode reuses its blocks only after that;
+- `StartWrite.deadline` is when the registration stops being valid: the caller must not
+  post the write after it (decode stops waiting around then);
 - after a transfer ends, a tombstone remembers its exact transfer ids for a while: late
   registrations are refused at once (or ignored if older), and blocks of a prefill that
   decode already gave up on are released as soon as it finishes. Tombstones are never
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -62,8 +68,11 @@ class LocalBlocks:
 
 @dataclass(frozen=True, slots=True)
 class StartWrite:
+    """Write `local` into the registration's blocks, unless `deadline` has passed."""
+
     registration: Registration
     local: LocalBlocks
+    deadline: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +89,11 @@ class DropRegistration:
 
 @dataclass(frozen=True, slots=True)
 class NotifyFailure:
-    """Send `message` (a WriteDone with ok=False) to the decode that sent `registration`."""
+    """Send `message` (a WriteDone with ok=False) to the decode at `host`:`port`: its
+    registration will not be written, or (an acknowledgement) it cancelled it."""
 
-    registration: Registration
+    host: str
+    port: int
     message: WriteDone
 
 
@@ -110,9 +121,11 @@ class Deadlines(Generic[T]):
 
     def pop_due(self, now: float) -> list[T]:
         due: list[T] = []
+        seen: set[int] = set()  # a record re-added at its current deadline surfaces twice
         while self._heap and self._heap[0][0] <= now:
             when, _, item = heapq.heappop(self._heap)
-            if item.alive and item.deadline == when:
+            if item.alive and item.deadline == when and id(item) not in seen:
+                seen.add(id(item))
                 due.append(item)
         return due
 
@@ -151,8 +164,9 @@ class _Writing:
     local: LocalBlocks
     reg: Registration
     newest: int  # registrations up to this generation were handled and are now stale
+    deadline: float = math.inf  # of the registration being written
     queued: _Waiting | None = None
-    cancelled_up_to: int = -1
+    acks: list[tuple[str, int, int]] = field(default_factory=list)  # host, port, generation
     aborted: bool = False
 
 
@@ -326,7 +340,7 @@ class Rendezvous:
             waiting = self._match(self._waiting, request_id)
         if waiting is not None:
             self._waiting.remove(waiting)
-            return self._start(local, waiting.reg)
+            return self._start(local, waiting.reg, waiting.deadline)
         if gone is not None:
             gone.kv_released = True
             return [ReleaseBlocks(local, gone.reason)]
@@ -335,37 +349,47 @@ class Rendezvous:
         self._deadlines.add(finished)
         return []
 
-    def cancel(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
-        """Decode abandons generations up to `generation` (a `Cancel` message)."""
+    def cancel(
+        self,
+        transfer_id: str,
+        generation: int,
+        reason: str,
+        now: float,
+        ack_to: tuple[str, int] | None = None,
+    ) -> list[Action]:
+        """Decode abandons generations up to `generation` (a `Cancel` message); with
+        `ack_to`, it is told there when no write of them can land any more."""
         self.stats.cancels += 1
         why = f"cancelled by decode: {reason}"
+        actions: list[Action] = []
         writing = self._writing.get(transfer_id)
         if writing is not None:
-            writing.cancelled_up_to = max(writing.cancelled_up_to, generation)
             writing.newest = max(writing.newest, generation)
+            if ack_to is not None:
+                writing.acks.append((*ack_to, generation))
             queued = writing.queued
-            if queued is None or queued.reg.generation > generation:
-                return []
-            self._unqueue(writing)
-            return [DropRegistration(queued.reg, why)]
+            if queued is not None and queued.reg.generation <= generation:
+                self._unqueue(writing)
+                actions.append(DropRegistration(queued.reg, why))
+            return actions
         waiting = self._waiting.exact(transfer_id)
-        if waiting is not None:
-            if waiting.reg.generation > generation:
-                return []
+        finished = self._finished.exact(transfer_id)
+        gone = self._gone.exact(transfer_id)
+        if waiting is not None and waiting.reg.generation <= generation:
             self._waiting.remove(waiting)
             self._bury([transfer_id], generation, False, why, now)
-            return [DropRegistration(waiting.reg, why)]
-        finished = self._finished.exact(transfer_id)
-        if finished is not None:
+            actions.append(DropRegistration(waiting.reg, why))
+        elif finished is not None:
             self._finished.remove(finished)
             self._bury([transfer_id], generation, True, why, now)
-            return [ReleaseBlocks(finished.local, why)]
-        gone = self._gone.exact(transfer_id)
-        if gone is not None:
+            actions.append(ReleaseBlocks(finished.local, why))
+        elif gone is not None:
             gone.generation = max(gone.generation, generation)
-            return []
-        self._bury([transfer_id], generation, False, why, now)
-        return []
+        elif waiting is None:
+            self._bury([transfer_id], generation, False, why, now)
+        if ack_to is not None:
+            actions.append(self._ack(ack_to, transfer_id, generation))
+        return actions
 
     def abort_local(
         self, transfer_id: str, request_id: str, reason: str, now: float
@@ -403,20 +427,22 @@ class Rendezvous:
             raise ValueError(f"no write in flight for transfer {transfer_id} gen {generation}")
         if not ok:
             self.stats.writes_failed += 1
+        reg, local = writing.reg, writing.local
+        why = "written" if ok else f"KV write to {reg.engine_id} failed: {error}"
+        actions: list[Action] = [] if ok else [self._notify(reg, why)]
+        actions += [
+            self._ack((host, port), reg.transfer_id, gen) for host, port, gen in writing.acks
+        ]
+        writing.acks = []
         queued = writing.queued
         if queued is not None:
             self._unqueue(writing)
-            writing.reg = queued.reg
+            writing.reg, writing.deadline = queued.reg, queued.deadline
             self.stats.writes_started += 1
-            return [StartWrite(queued.reg, writing.local)]
-        reg, local = writing.reg, writing.local
+            return [*actions, StartWrite(queued.reg, writing.local, queued.deadline)]
         del self._writing[reg.transfer_id], self._writing_local[local.transfer_id]
-        why = "written" if ok else f"KV write to {reg.engine_id} failed: {error}"
         self._bury({reg.transfer_id, local.transfer_id}, generation, True, why, now)
-        actions: list[Action] = [ReleaseBlocks(local, why)]
-        if not ok and generation > writing.cancelled_up_to:
-            actions.append(self._notify(reg, why))
-        return actions
+        return [ReleaseBlocks(local, why), *actions]
 
     def expire(self, now: float) -> list[Action]:
         """End everything whose deadline is at or before `now`."""
@@ -452,7 +478,7 @@ class Rendezvous:
         )
         if finished is not None:
             self._finished.remove(finished)
-            return self._start(finished.local, reg)
+            return self._start(finished.local, reg, now + reg.deadline_ms / 1000)
         waiting = _Waiting(reg, now + reg.deadline_ms / 1000)
         self._waiting.add(waiting, [reg.transfer_id], [reg.request_id])
         self._deadlines.add(waiting)
@@ -510,12 +536,12 @@ class Rendezvous:
             self._bury([reg.transfer_id], reg.generation, False, why, now)
         return self._refuse(reg, why)
 
-    def _start(self, local: LocalBlocks, reg: Registration) -> list[Action]:
-        writing = _Writing(local, reg, reg.generation)
+    def _start(self, local: LocalBlocks, reg: Registration, deadline: float) -> list[Action]:
+        writing = _Writing(local, reg, reg.generation, deadline)
         self._writing[reg.transfer_id] = writing
         self._writing_local[local.transfer_id] = writing
         self.stats.writes_started += 1
-        return [StartWrite(reg, local)]
+        return [StartWrite(reg, local, deadline)]
 
     def _unqueue(self, writing: _Writing) -> None:
         if writing.queued is not None:
@@ -558,73 +584,129 @@ class Rendezvous:
         message = WriteDone(
             reg.transfer_id, reg.generation, self.tp_rank, self.tp_size, False, why[:MAX_TEXT_LEN]
         )
-        return NotifyFailure(reg, message)
+        return NotifyFailure(reg.host, reg.port, message)
+
+    def _ack(self, to: tuple[str, int], transfer_id: str, generation: int) -> NotifyFailure:
+        why = "cancel acknowledged: no write of this transfer can land any more"
+        message = WriteDone(transfer_id, generation, self.tp_rank, self.tp_size, False, why)
+        return NotifyFailure(to[0], to[1], message)
 
 
 @dataclass(frozen=True, slots=True)
 class Arrived:
+    """Every producer rank's KV is in place: the request may run."""
+
     transfer_id: str
     generation: int
 
 
 @dataclass(frozen=True, slots=True)
 class ArrivalFailed:
+    """The KV will not (all) arrive; `kind` names the cause for metrics.
+
+    Producer ranks in `unsettled` may still write into the blocks: the caller asks them to
+    stop (a `Cancel`) and reports every rank that answers or is gone with `settle`. The
+    blocks may be reused only at the `Released` that follows (maybe in the same list).
+    """
+
     transfer_id: str
     generation: int
     reason: str
+    kind: str
+    unsettled: tuple[int, ...]
 
 
-Outcome = Arrived | ArrivalFailed
+@dataclass(frozen=True, slots=True)
+class Released:
+    """After `ArrivalFailed`: no producer rank can write into the blocks any more (each
+    answered or is gone), or, `by_time`, the fence deadline passed without an answer."""
+
+    transfer_id: str
+    generation: int
+    reason: str
+    by_time: bool
+
+
+Outcome = Arrived | ArrivalFailed | Released
 
 
 @dataclass(eq=False, slots=True)
 class _Expected:
     transfer_id: str
     generation: int
-    producers: int
-    deadline: float
+    producers: tuple[int, ...]  # the producer ranks that write into these blocks
+    deadline: float  # of the transfer; once failed, of the fence
     arrived: set[int] = field(default_factory=set)
+    settled: set[int] = field(default_factory=set)  # ranks that will not write any more
+    failed: ArrivalFailed | None = None
     alive: bool = True
 
 
 @dataclass(slots=True)
 class ArrivalStats:
     """Ignored notifications: repeated ranks, older generations, and ones for no transfer
-    in progress (e.g. after it expired or completed)."""
+    in progress (e.g. after it completed); and releases that only time allowed."""
 
     duplicates: int = 0
     stale: int = 0
     unexpected: int = 0
+    released_by_time: int = 0
 
 
 class Arrivals:
     """Decode-side tracking of KV arriving in local blocks, one per pending transfer.
 
-    A transfer completes when every producer rank's KV is in place for its current
+    A transfer arrives when every producer rank's KV is in place for its current
     generation (push: one ok `WriteDone` per rank; pull: one finished READ from each), and
-    fails on the first failure, on a `Cancel`, or at its deadline.
-    Each expected (transfer, generation) gets exactly one outcome, unless `forget` or a
-    newer `expect` ends it first.
+    fails on the first failure, on `fail`, or at its deadline. A failed transfer's blocks
+    stay fenced until every producer rank is settled - it reported its write (ok or not),
+    acknowledged a cancel, or is gone - because a write still in flight would land in
+    blocks vLLM has already given to another request. If a rank stays silent (frozen,
+    partitioned), the fence ends `fence_s` after the later of the failure and the
+    transfer's deadline: prefill posts no write after its registration's deadline.
+
+    Each expected (transfer, generation) gets exactly one `Arrived` or one `ArrivalFailed`
+    followed by one `Released`, unless `forget` or a newer `expect` ends it first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fence_s: float = 5.0) -> None:
+        if fence_s < 0:
+            raise ValueError(f"fence_s must not be negative, got {fence_s}")
+        self.fence_s = fence_s
         self.stats = ArrivalStats()
         self._expected: dict[str, _Expected] = {}
         self._deadlines: Deadlines[_Expected] = Deadlines()
 
     @property
     def pending(self) -> int:
+        """Transfers not released yet (waiting for KV, or fenced after a failure)."""
         return len(self._expected)
+
+    @property
+    def fenced(self) -> int:
+        """Failed transfers whose blocks wait for their producers to settle."""
+        return sum(1 for e in self._expected.values() if e.failed is not None)
 
     def next_deadline(self) -> float | None:
         return self._deadlines.next()
 
-    def expect(self, transfer_id: str, generation: int, producers: int, deadline: float) -> None:
-        """Wait for `producers` producer ranks to write generation `generation` by `deadline`.
+    def is_waiting(self, transfer_id: str, generation: int) -> bool:
+        """True while this generation's KV may still arrive (not failed, not ended)."""
+        expected = self._expected.get(transfer_id)
+        return (
+            expected is not None and expected.generation == generation and expected.failed is None
+        )
+
+    def expect(
+        self, transfer_id: str, generation: int, producers: int | Iterable[int], deadline: float
+    ) -> None:
+        """Wait for the producer ranks `producers` (a count n: ranks 0..n-1) to write
+        generation `generation` by `deadline`.
 
         A newer generation replaces the pending one (decode re-allocated its blocks).
         """
-        if producers < 1:
+        ranks = tuple(range(producers)) if isinstance(producers, int) else tuple(producers)
+        if not ranks:
             raise ValueError(f"a transfer needs at least one producer, got {producers}")
         old = self._expected.get(transfer_id)
         if old is not None:
@@ -634,12 +716,12 @@ class Arrivals:
                     "bump the generation when re-allocating"
                 )
             old.alive = False
-        expected = _Expected(transfer_id, generation, producers, deadline)
+        expected = _Expected(transfer_id, generation, ranks, deadline)
         self._expected[transfer_id] = expected
         self._deadlines.add(expected)
 
     def forget(self, transfer_id: str) -> bool:
-        """Stop tracking without an outcome (decode aborted the request itself)."""
+        """Stop tracking without an outcome."""
         expected = self._expected.pop(transfer_id, None)
         if expected is None:
             return False
@@ -647,41 +729,94 @@ class Arrivals:
         return True
 
     def on_write_done(self, msg: WriteDone, now: float) -> list[Outcome]:
-        """Push: a producer rank's WRITE notification."""
+        """Push: a producer rank's WRITE notification (or its answer to a cancel)."""
         why = f"prefill rank {msg.tp_rank}/{msg.tp_size} failed to write KV: {msg.error}"
         return self.on_producer_done(
-            msg.transfer_id, msg.generation, msg.tp_rank, msg.ok, "" if msg.ok else why, now
+            msg.transfer_id,
+            msg.generation,
+            msg.tp_rank,
+            msg.ok,
+            "" if msg.ok else why,
+            now,
+            "prefill_failed",
         )
 
     def on_producer_done(
-        self, transfer_id: str, generation: int, rank: int, ok: bool, why: str, now: float
+        self,
+        transfer_id: str,
+        generation: int,
+        rank: int,
+        ok: bool,
+        why: str,
+        now: float,
+        kind: str = "prefill_failed",
     ) -> list[Outcome]:
         """Producer rank `rank`'s KV is in place (push: its WRITE; pull: our READ from it),
-        or, with ok=False, will not be (`why`)."""
+        or, with ok=False, will not be (`why`). Either way that rank is settled."""
         expected = self._current(transfer_id, generation, exact=True)
-        if expected is None:
+        if expected is None or not self._known(expected, rank):
             return []
-        if now > expected.deadline:
-            return [self._fail(expected, self._late(expected))]
-        if not ok:
-            return [self._fail(expected, why)]
+        if expected.failed is not None:
+            return self._settle(expected, rank)
         if rank in expected.arrived:
             self.stats.duplicates += 1
             return []
+        expected.settled.add(rank)
+        if now > expected.deadline:
+            return self._fail(expected, self._late(expected), "transfer_timeout", now)
+        if not ok:
+            return self._fail(expected, why, kind, now)
         expected.arrived.add(rank)
-        if len(expected.arrived) < expected.producers:
+        if len(expected.arrived) < len(expected.producers):
             return []
         self._end(expected)
         return [Arrived(expected.transfer_id, expected.generation)]
 
     def on_cancel(self, msg: Cancel, now: float) -> list[Outcome]:
+        """Prefill gave up the transfer (which of its ranks is not said: none settles)."""
         expected = self._current(msg.transfer_id, msg.generation, exact=False)
-        if expected is None:
+        if expected is None or expected.failed is not None:
             return []
-        return [self._fail(expected, f"prefill cancelled the transfer: {msg.reason}")]
+        why = f"prefill cancelled the transfer: {msg.reason}"
+        return self._fail(expected, why, "prefill_failed", now)
+
+    def fail(self, transfer_id: str, reason: str, kind: str, now: float) -> list[Outcome]:
+        """Decode gives up the transfer (its request ended, its prefill went away)."""
+        expected = self._expected.get(transfer_id)
+        if expected is None or expected.failed is not None:
+            return []
+        return self._fail(expected, reason, kind, now)
+
+    def settle(self, transfer_id: str, generation: int, rank: int) -> list[Outcome]:
+        """Producer rank `rank` cannot write this transfer any more (e.g. it is gone)."""
+        expected = self._current(transfer_id, generation, exact=False)
+        if expected is None or not self._known(expected, rank):
+            return []
+        if expected.failed is None:
+            expected.settled.add(rank)
+            return []
+        return self._settle(expected, rank)
 
     def expire(self, now: float) -> list[Outcome]:
-        return [self._fail(e, self._late(e)) for e in self._deadlines.pop_due(now)]
+        outcomes: list[Outcome] = []
+        # a transfer that fails here is fenced; with fence_s=0 (or now=inf) that is due too
+        while due := self._deadlines.pop_due(now):
+            outcomes += self._expire_records(due, now)
+        return outcomes
+
+    def _expire_records(self, due: list[_Expected], now: float) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for expected in due:
+            if expected.failed is None:
+                outcomes += self._fail(expected, self._late(expected), "transfer_timeout", now)
+            else:
+                self.stats.released_by_time += 1
+                self._end(expected)
+                failed = expected.failed
+                outcomes.append(
+                    Released(failed.transfer_id, failed.generation, failed.reason, True)
+                )
+        return outcomes
 
     def _current(self, transfer_id: str, generation: int, exact: bool) -> _Expected | None:
         expected = self._expected.get(transfer_id)
@@ -693,16 +828,38 @@ class Arrivals:
             return None
         return expected
 
+    def _known(self, expected: _Expected, rank: int) -> bool:
+        if rank in expected.producers:
+            return True
+        self.stats.unexpected += 1
+        return False
+
     def _late(self, expected: _Expected) -> str:
         return (
             f"KV for transfer {expected.transfer_id} did not arrive in time: "
-            f"{len(expected.arrived)} of {expected.producers} producer ranks finished; "
+            f"{len(expected.arrived)} of {len(expected.producers)} producer ranks finished; "
             "check the prefill instance's health and the network between the instances"
         )
 
-    def _fail(self, expected: _Expected, reason: str) -> ArrivalFailed:
+    def _fail(self, expected: _Expected, reason: str, kind: str, now: float) -> list[Outcome]:
+        unsettled = tuple(r for r in expected.producers if r not in expected.settled)
+        failed = ArrivalFailed(expected.transfer_id, expected.generation, reason, kind, unsettled)
+        expected.failed = failed
+        if not unsettled:
+            self._end(expected)
+            return [failed, Released(failed.transfer_id, failed.generation, reason, False)]
+        expected.deadline = max(now, expected.deadline) + self.fence_s
+        self._deadlines.add(expected)
+        return [failed]
+
+    def _settle(self, expected: _Expected, rank: int) -> list[Outcome]:
+        expected.settled.add(rank)
+        if len(expected.settled) < len(expected.producers):
+            return []
         self._end(expected)
-        return ArrivalFailed(expected.transfer_id, expected.generation, reason)
+        failed = expected.failed
+        assert failed is not None
+        return [Released(failed.transfer_id, failed.generation, failed.reason, False)]
 
     def _end(self, expected: _Expected) -> None:
         expected.alive = False

@@ -8,13 +8,17 @@
 Every key is optional. The side channel (our control port) defaults to the same variables
 vLLM's NIXL connectors use, so operators need to learn nothing new:
 VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT (+ the worker's TP rank).
+KVPUSH_FAULTS enables test hooks (`kvpush.vllm.faults`); never set it in production.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvpush.vllm.faults import ENV as FAULTS_ENV
+from kvpush.vllm.faults import Faults
 
 MODES = ("push", "pull")
 # vLLM's kv_role -> the side kvpush plays.
@@ -26,29 +30,47 @@ class KvpushConfig:
     mode: str = "push"
     host: str = "127.0.0.1"
     port: int = 5600
-    # How long a decode waits for prefill's KV before failing the request.
+    # How long a decode waits for prefill's KV before failing the request; also how long
+    # prefill may still start a WRITE after a registration arrived, and how long a posted
+    # transfer may take before it is cancelled.
     transfer_timeout_s: float = 30.0
     # How long prefill keeps finished blocks for decode: push, for a registration that has
     # not arrived; pull, for a READ (decode renews the lease every lease_s / 2 until done).
     lease_s: float = 30.0
+    # After a failed transfer decode reuses its blocks once every prefill rank confirmed
+    # that no WRITE can land (or is gone); a rank that stays silent (frozen, partitioned)
+    # is waited for until fence_s past the transfer's deadline.
+    fence_s: float = 5.0
     # Shared secret that authenticates control messages between instances (None: off).
     secret: bytes | None = None
     backend: str = "UCX"
+    faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(
                 f"kv_connector_extra_config.mode must be one of {MODES}, got {self.mode!r}"
             )
-        if self.transfer_timeout_s <= 0 or self.lease_s <= 0:
-            raise ValueError("transfer_timeout_s and lease_s must be positive seconds")
+        if self.transfer_timeout_s <= 0 or self.lease_s <= 0 or self.fence_s < 0:
+            raise ValueError(
+                "transfer_timeout_s and lease_s must be positive seconds, fence_s not negative"
+            )
         if not 0 < self.port < 65536:
             raise ValueError(f"side-channel port {self.port} is out of range")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], env: dict[str, str] | None = None) -> KvpushConfig:
         env = dict(os.environ) if env is None else env
-        known = {"mode", "host", "port", "transfer_timeout_s", "lease_s", "secret_env", "backend"}
+        known = {
+            "mode",
+            "host",
+            "port",
+            "transfer_timeout_s",
+            "lease_s",
+            "fence_s",
+            "secret_env",
+            "backend",
+        }
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -62,6 +84,8 @@ class KvpushConfig:
             port=int(extra.get("port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))),
             transfer_timeout_s=float(extra.get("transfer_timeout_s", 30.0)),
             lease_s=float(extra.get("lease_s", 30.0)),
+            fence_s=float(extra.get("fence_s", 5.0)),
             secret=secret.encode() if secret else None,
             backend=str(extra.get("backend", "UCX")),
+            faults=Faults.parse(env.get(FAULTS_ENV, "")),
         )

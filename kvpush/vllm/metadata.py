@@ -38,9 +38,23 @@ class SendSpec:
     num_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class AbortSpec:
+    """A request that ended locally before its transfer did (aborts, client disconnects).
+
+    Decode names the prefill it expected KV from (empty host: not known), so a request that
+    ended before it got any blocks still tells prefill to free the KV it holds for it.
+    """
+
+    transfer_id: str
+    request_id: str
+    prefill_host: str = ""
+    prefill_port: int = 0
+    prefill_tp: int = 1
+
+
 @dataclass
 class KvpushMetadata(KVConnectorMetadata):
     recv: list[RecvSpec] = field(default_factory=list)
     send: list[SendSpec] = field(default_factory=list)
-    # Requests that ended locally before their transfer did (aborts, client disconnects).
-    aborted: list[tuple[str, str]] = field(default_factory=list)  # (transfer_id, request_id)
+    aborted: list[AbortSpec] = field(default_factory=list)

@@ -8,9 +8,15 @@
   request's blocks, by prepared block index when both sides share a shape, else by the
   descriptors `planning.plan_transfer` computes on each side's own layout.
 - `InFlight`: transfers posted and not yet complete, polled with backoff only while there
-  are any (NIXL's progress thread is off, see `dataplane/transport.py`).
+  are any (NIXL's progress thread is off, see `dataplane/transport.py`); one that takes
+  longer than the transfer timeout is cancelled and fails.
 - `PeerLoop`: the worker thread that owns both, posts through them and forgets a peer
   that went away (it handshakes again on the next transfer, e.g. after a restart).
+
+A restarted peer keeps its address but has a new NIXL agent; transfers to the old agent
+would fail or, worse, address a dead process. Its control connection tells: the old one
+was closed when the process exited, so a peer whose connection the peer closed is
+forgotten before the next transfer and handshaken again.
 """
 
 from __future__ import annotations
@@ -86,11 +92,22 @@ class Peers(Generic[J]):
         self.messages = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-message")
 
     def get(self, host: str, port: int) -> Peer[J]:
+        """The peer at host:port; a fresh one (handshake pending) if it restarted."""
         key = (host, port)
-        if key not in self.peers:
+        peer = self.peers.get(key)
+        if peer is not None and peer.hello is not None and peer.client.peer_closed():
+            log.warning(
+                "%s %s closed its control connection (exited or restarted); the next "
+                "transfer handshakes again",
+                self.peer_role,
+                peer,
+            )
+            peer.client.close()
+            peer = None
+        if peer is None:
             client = ControlClient(host, port, secret=self.worker.config.secret, timeout=5.0)
-            self.peers[key] = Peer(host, port, client)
-        return self.peers[key]
+            peer = self.peers[key] = Peer(host, port, client)
+        return peer
 
     def when_ready(self, peer: Peer[J], job: J) -> bool:
         """True if `job` can go now; else it waits for the handshake (started on first need)."""
@@ -260,6 +277,8 @@ class Moving(Generic[J]):
     peer: Peer[Any]
     posted: float
     nbytes: int
+    hold_until: float = 0.0  # test hook delay_write: seen as in flight until then
+    injected: TransferError | None = None  # test hook nixl_error: how it ends
 
 
 class InFlight(Generic[J]):
@@ -272,8 +291,17 @@ class InFlight(Generic[J]):
     def __len__(self) -> int:
         return len(self.moving)
 
-    def add(self, job: J, posted: Posted, peer: Peer[Any], now: float) -> None:
-        self.moving.append(Moving(job, posted.transfer, peer, now, posted.nbytes))
+    def add(
+        self,
+        job: J,
+        posted: Posted,
+        peer: Peer[Any],
+        now: float,
+        hold_s: float = 0.0,
+        injected: TransferError | None = None,
+    ) -> None:
+        moving = Moving(job, posted.transfer, peer, now, posted.nbytes, now + hold_s, injected)
+        self.moving.append(moving)
         self._sleep = 0.0
 
     def wait_time(self) -> float | None:
@@ -283,33 +311,54 @@ class InFlight(Generic[J]):
         self._sleep = min(max(self._sleep * 2, _FIRST_POLL_S), _MAX_POLL_S)
         return self._sleep
 
-    def poll(self) -> list[tuple[Moving[J], TransferError | None]]:
-        """Transfers that ended since the last poll, released, with their error if any."""
+    def poll(
+        self, now: float, timeout: float = math.inf
+    ) -> list[tuple[Moving[J], TransferError | None]]:
+        """Transfers that ended since the last poll, released, with their error if any.
+
+        One still in flight `timeout` seconds after it was posted is cancelled and ends
+        with a "timeout" error.
+        """
         ended: list[tuple[Moving[J], TransferError | None]] = []
         still: list[Moving[J]] = []
         for moving in self.moving:
+            error: TransferError | None = None
             try:
-                if not moving.transfer.poll():
-                    still.append(moving)
-                    continue
-                error = None
+                done = now >= moving.hold_until and moving.transfer.poll()
             except TransferError as exc:
-                error = exc
-            moving.transfer.release()
-            ended.append((moving, error))
+                done, error = True, exc
+            if not done and now - moving.posted > timeout:
+                done, error = (
+                    True,
+                    TransferError(
+                        "timeout",
+                        f"{moving.transfer.what} did not complete within {timeout:g} s "
+                        "(transfer_timeout_s); cancelled",
+                    ),
+                )
+            if not done:
+                still.append(moving)
+                continue
+            if not moving.transfer.release():
+                log.warning("%s could not be cancelled", moving.transfer.what)
+            ended.append((moving, error or moving.injected))
         if ended:
             self._sleep = 0.0
         self.moving = still
         return ended
 
-    def cancel(self, which: Callable[[J], bool]) -> None:
-        """Stop tracking the transfers of jobs `which` selects, releasing (cancelling) them."""
+    def cancel(self, which: Callable[[J], bool]) -> list[J]:
+        """Stop tracking the transfers of jobs `which` selects, releasing (cancelling) them;
+        returns the jobs whose transfer NIXL could not cancel (it may still complete)."""
+        stuck: list[J] = []
         dropped = [m for m in self.moving if which(m.job)]
         if dropped:
             self.moving = [m for m in self.moving if not which(m.job)]
             for moving in dropped:
                 if not moving.transfer.release():
                     log.warning("%s could not be cancelled", moving.transfer.what)
+                    stuck.append(moving.job)
+        return stuck
 
 
 class PeerLoop(Loop, Generic[J]):
@@ -331,6 +380,7 @@ class PeerLoop(Loop, Generic[J]):
     def post(
         self,
         job: J,
+        transfer_id: str,
         op: Op,
         peer: Peer[J],
         local_blocks: Sequence[int],
@@ -347,12 +397,21 @@ class PeerLoop(Loop, Generic[J]):
             self.peers.lost(peer, exc)
             raise
         self.worker.results.observe(descriptors=float(posted.descriptors))
-        self.inflight.add(job, posted, peer, time.monotonic())
+        faults = self.worker.config.faults
+        injected = None
+        if faults.fires("nixl_error", transfer_id):
+            what = posted.transfer.what
+            injected = TransferError(
+                "failed", f"{what}: NIXL reported state ERR (test hook KVPUSH_FAULTS nixl_error)"
+            )
+        hold = faults.seconds("delay_write", transfer_id) if faults else 0.0
+        self.inflight.add(job, posted, peer, time.monotonic(), hold, injected)
 
     def ended(self) -> list[tuple[Moving[J], str]]:
         """Transfers that ended since the last call, with what failed ("" if nothing)."""
         out: list[tuple[Moving[J], str]] = []
-        for moving, error in self.inflight.poll():
+        timeout = self.worker.config.transfer_timeout_s
+        for moving, error in self.inflight.poll(time.monotonic(), timeout):
             if error is not None:
                 self.peers.lost(moving.peer, error)
             out.append((moving, f"{error.kind}: {error}" if error else ""))

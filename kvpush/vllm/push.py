@@ -1,4 +1,12 @@
-"""Prefill, push mode: pair registrations with finished prefills and WRITE into decode."""
+"""Prefill, push mode: pair registrations with finished prefills and WRITE into decode.
+
+Failure rules kept here (the pairing rules are `core.rendezvous`'s):
+- a WRITE is never posted after its registration's deadline (decode stops waiting then),
+  even when the writer was held up (a slow handshake, a frozen process);
+- a WRITE still in flight after `transfer_timeout_s` is cancelled and fails;
+- decode hears of every write that will not happen (`NotifyFailure`), and of a cancel it
+  asked for only once no WRITE of that transfer can land in its blocks any more.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +24,8 @@ from kvpush.core.rendezvous import (
     StartWrite,
 )
 from kvpush.dataplane.transport import TransferError
-from kvpush.vllm.metadata import SendSpec
+from kvpush.vllm.metadata import AbortSpec, SendSpec
 from kvpush.vllm.peers import Moving, Peer, PeerLoop, PeerReady
-from kvpush.vllm.threads import Aborted
 
 if TYPE_CHECKING:
     from kvpush.vllm.worker import WorkerSide
@@ -34,6 +41,8 @@ class PushWriter(PeerLoop[StartWrite]):
         ident = worker.identity
         self.rendezvous = Rendezvous(ident.tp_rank, ident.tp_size, lease_s=worker.config.lease_s)
         self.registered_at: dict[tuple[str, int], float] = {}
+        self._held: set[str] = set()  # test hook hold_prefill: transfers already held
+        self._counted = dict.fromkeys(_FAILURE_STATS, 0)
 
     def gauges(self) -> dict[str, float]:
         r = self.rendezvous
@@ -49,18 +58,28 @@ class PushWriter(PeerLoop[StartWrite]):
 
     def handle(self, item: object, at: float) -> None:
         now = time.monotonic()
+        self.act(self.rendezvous.expire(now))  # nothing past its deadline pairs up
         if isinstance(item, Registration):
             self.registered_at[(item.transfer_id, item.generation)] = at
             self.act(self.rendezvous.register(item, now))
         elif isinstance(item, SendSpec):
+            hold = self.worker.config.faults.seconds("hold_prefill", item.transfer_id)
+            if hold and item.transfer_id not in self._held:
+                self._held.add(item.transfer_id)
+                self.later(item, at, hold)
+                return
+            self._held.discard(item.transfer_id)
             self.act(
                 self.rendezvous.prefill_done(
                     item.transfer_id, item.request_id, item.block_ids, item.num_tokens, now
                 )
             )
         elif isinstance(item, Cancel):
-            self.act(self.rendezvous.cancel(item.transfer_id, item.generation, item.reason, now))
-        elif isinstance(item, Aborted):
+            ack_to = (item.ack_host, item.ack_port) if item.ack_port else None
+            self.act(
+                self.rendezvous.cancel(item.transfer_id, item.generation, item.reason, now, ack_to)
+            )
+        elif isinstance(item, AbortSpec):
             self.act(
                 self.rendezvous.abort_local(
                     item.transfer_id, item.request_id, "prefill request aborted", now
@@ -70,7 +89,7 @@ class PushWriter(PeerLoop[StartWrite]):
             peer = item.peer
             for start in self.peers.ready(peer):
                 if peer.error:
-                    self._fail_start(start, peer.error)
+                    self._fail_start(start, peer.error, peer.error_kind or "handshake_failed")
                 else:
                     self._post(start, peer)
 
@@ -86,28 +105,46 @@ class PushWriter(PeerLoop[StartWrite]):
                 self._start(action)
             elif isinstance(action, ReleaseBlocks):
                 self.worker.results.sent(action.local.request_id)
+                if action.reason != "written":
+                    log.info("released KV of %s: %s", action.local.request_id, action.reason)
             elif isinstance(action, NotifyFailure):
-                reg = action.registration
-                self.worker.results.count("failures", "write_not_done")
-                self.peers.notify(reg.host, reg.port, action.message)
+                self.peers.notify(action.host, action.port, action.message)
             elif isinstance(action, DropRegistration):
                 log.info(
                     "dropped registration %s: %s", action.registration.transfer_id, action.reason
                 )
+        self._count_failures()
+
+    def _count_failures(self) -> None:
+        """Export the state machine's failure counters as `failures{kind}`."""
+        stats = self.rendezvous.stats
+        for name, kind in _FAILURE_STATS.items():
+            new = getattr(stats, name) - self._counted[name]
+            if new:
+                self._counted[name] += new
+                self.worker.results.count("failures", kind, new)
 
     def _start(self, start: StartWrite) -> None:
         reg = start.registration
         peer = self.peers.get(reg.host, reg.port)
         if peer.error:
-            self._fail_start(start, peer.error)
+            self._fail_start(start, peer.error, peer.error_kind or "handshake_failed")
         elif self.peers.when_ready(peer, start):
             self._post(start, peer)
 
     def _post(self, start: StartWrite, peer: Peer[StartWrite]) -> None:
         reg, local = start.registration, start.local
+        if time.monotonic() > start.deadline:
+            why = (
+                "the registration expired before the WRITE could be posted (a slow handshake "
+                "or a busy or frozen prefill); decode no longer expects it"
+            )
+            self._fail_start(start, why, "registration_expired")
+            return
         try:
             self.post(
                 start,
+                reg.transfer_id,
                 "WRITE",
                 peer,
                 local.block_ids,
@@ -116,15 +153,15 @@ class PushWriter(PeerLoop[StartWrite]):
                 local.num_tokens,
             )
         except (PlanError, TransferError) as exc:
-            self._fail_start(start, f"cannot write KV: {exc}")
+            self._fail_start(start, f"cannot write KV: {exc}", _kind(exc))
             return
         now = time.monotonic()
         registered = self.registered_at.pop((reg.transfer_id, reg.generation), now)
         self.worker.results.observe(reg_to_write_s=max(0.0, now - registered))
 
-    def _fail_start(self, start: StartWrite, error: str) -> None:
+    def _fail_start(self, start: StartWrite, error: str, kind: str = "write_failed") -> None:
         reg = start.registration
-        self.worker.results.count("failures", "write_failed")
+        self.worker.results.count("failures", kind)
         log.warning("transfer %s to %s failed: %s", reg.transfer_id, reg.engine_id, error)
         self.act(
             self.rendezvous.write_finished(
@@ -136,7 +173,8 @@ class PushWriter(PeerLoop[StartWrite]):
         start, peer = moving.job, moving.peer
         reg = start.registration
         if error:
-            self._fail_start(start, error)
+            kind = "write_timeout" if error.startswith("timeout:") else "write_failed"
+            self._fail_start(start, error, kind)
             return
         self.worker.results.observe(write_s=now - moving.posted, bytes=float(moving.nbytes))
         ident = self.worker.identity
@@ -144,6 +182,20 @@ class PushWriter(PeerLoop[StartWrite]):
         try:
             peer.client.send(done)
         except (ConnectionError, OSError) as exc:
-            self._fail_start(start, f"decode unreachable after the WRITE: {exc}")
+            self._fail_start(start, f"decode unreachable after the WRITE: {exc}", "peer_gone")
             return
         self.act(self.rendezvous.write_finished(reg.transfer_id, reg.generation, True, "", now))
+
+
+# Rendezvous counters that are failures, and the `failures{kind}` they are exported as.
+_FAILURE_STATS = {
+    "expired_registrations": "registration_expired",
+    "expired_leases": "lease_expired",
+    "refused_registrations": "registration_refused",
+}
+
+
+def _kind(exc: Exception) -> str:
+    if isinstance(exc, TransferError) and exc.kind == "remote_disconnect":
+        return "peer_gone"
+    return "write_failed"

@@ -5,6 +5,13 @@ Push: send prefill a `Registration` at once; each producer rank WRITEs and sends
 `ReadDone`, whose answer says whether prefill held the blocks for the whole READ (only then
 are the bytes read valid); while waiting, renew the lease every half lease. Either way
 `Arrivals` counts one completion per producer rank and enforces the transfer's deadline.
+
+A failed transfer - past its deadline, failed by prefill, its prefill gone, or its request
+ended - is reported to vLLM (which then frees or reuses the blocks) only once no producer
+can write into them any more: push sends each prefill rank that may still write a `Cancel`
+and waits for its acknowledgement, for it to be unreachable, or for the fence deadline;
+pull cancels its own READs. Prefill ranks with transfers pending are watched: one whose
+control connection closed (it exited or restarted) fails them at once, not at the deadline.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpush.core import planning
@@ -27,12 +34,11 @@ from kvpush.core.protocol import (
     Registration,
     WriteDone,
 )
-from kvpush.core.rendezvous import ArrivalFailed, Arrivals, Deadlines, Outcome
-from kvpush.dataplane.control import ControlClient
+from kvpush.core.rendezvous import ArrivalFailed, Arrivals, Arrived, Deadlines, Outcome
+from kvpush.dataplane.control import ControlClient, Unreachable
 from kvpush.dataplane.transport import TransferError
-from kvpush.vllm.metadata import RecvSpec
+from kvpush.vllm.metadata import AbortSpec, RecvSpec
 from kvpush.vllm.peers import Moving, Peer, PeerLoop, PeerReady
-from kvpush.vllm.threads import Aborted
 
 if TYPE_CHECKING:
     from kvpush.vllm.worker import WorkerSide
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpush.worker")
 
 _ALL_GENERATIONS = 2**62
+WATCH_S = 0.5  # how often prefill ranks with transfers pending are checked for liveness
 
 
 @dataclass(eq=False, slots=True)
@@ -49,7 +56,10 @@ class _Expecting:
     producers: range
     deadline: float = math.inf  # next lease renewal (pull)
     alive: bool = True
-    aborted: bool = False  # push: the request ended, its blocks wait for the last WRITE
+    aborted: bool = False  # the request ended: report it received, not failed
+    # Producer rank -> the control connection (`ControlClient.connection`) that carried
+    # this transfer to it; the liveness watch judges only that connection.
+    connections: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +83,17 @@ class _Answered:
     problem: str
 
 
+@dataclass(frozen=True, slots=True)
+class _NotSent:
+    """Push: a message to producer rank `rank` could not be sent; `gone`: nothing listens
+    there, so that rank cannot write any more."""
+
+    spec: RecvSpec
+    rank: int
+    why: str
+    gone: bool
+
+
 class Receiver(PeerLoop[_Read]):
     """Decode: one per worker; push registers and waits, pull reads."""
 
@@ -80,18 +101,23 @@ class Receiver(PeerLoop[_Read]):
         self.pull = worker.config.mode == "pull"
         name = "kvpush-pull-reader" if self.pull else "kvpush-push-receiver"
         super().__init__(worker, name, "prefill")
-        self.arrivals = Arrivals()
+        self.arrivals = Arrivals(worker.config.fence_s)
         self.expecting: dict[str, _Expecting] = {}
         self.renewals: Deadlines[_Expecting] = Deadlines()
+        self._next_watch = 0.0
 
     def gauges(self) -> dict[str, float]:
         return {
-            "decode_waiting_transfers": self.arrivals.pending,
+            "decode_waiting_transfers": self.arrivals.pending - self.arrivals.fenced,
+            "decode_fenced_transfers": self.arrivals.fenced,
             "decode_reads_in_flight": len(self.inflight),
         }
 
     def next_deadline(self) -> float | None:
-        due = [d for d in (self.arrivals.next_deadline(), self.renewals.next()) if d is not None]
+        watch = self._next_watch if self.expecting else None
+        due = [
+            d for d in (self.arrivals.next_deadline(), self.renewals.next(), watch) if d is not None
+        ]
         return min(due, default=None)
 
     def handle(self, item: object, at: float) -> None:
@@ -102,21 +128,25 @@ class Receiver(PeerLoop[_Read]):
             self._outcomes(self.arrivals.on_write_done(item, now))
         elif isinstance(item, Cancel):
             self._outcomes(self.arrivals.on_cancel(item, now))
-        elif isinstance(item, Aborted):
-            self._abort(item)
+        elif isinstance(item, AbortSpec):
+            self._abort(item, now)
+        elif isinstance(item, _NotSent):
+            spec = item.spec
+            if item.gone:
+                self._outcomes(self.arrivals.settle(spec.transfer_id, spec.generation, item.rank))
+            kind = "peer_gone" if item.gone else "peer_unreachable"
+            self._outcomes(self.arrivals.fail(spec.transfer_id, item.why, kind, now))
         elif isinstance(item, PeerReady):
             peer = item.peer
-            if peer.error:
-                self.worker.results.count("failures", peer.error_kind)
             for read in self.peers.ready(peer):
                 if peer.error:
-                    self._read_failed(read, peer.error)
+                    self._read_failed(read, peer.error, peer.error_kind or "handshake_failed")
                 else:
                     self._post_read(read, peer)
         elif isinstance(item, _Answered):
             if item.problem:
                 why = f"prefill rank {item.rank} no longer holds the KV: {item.problem}"
-                self._producer_done(item.spec, item.rank, False, why)
+                self._producer_done(item.spec, item.rank, False, why, "lease_lost")
             elif item.confirms_read:
                 self._producer_done(item.spec, item.rank, True, "")
 
@@ -127,6 +157,9 @@ class Receiver(PeerLoop[_Read]):
         for expecting in self.renewals.pop_due(now):
             self._renew(expecting, now)
         self._outcomes(self.arrivals.expire(now))
+        if now >= self._next_watch:
+            self._next_watch = now + WATCH_S
+            self._watch(now)
 
     # Both modes
 
@@ -134,7 +167,7 @@ class Receiver(PeerLoop[_Read]):
         ident = self.worker.identity
         producers = planning.peer_ranks(ident.tp_rank, ident.tp_size, spec.prefill_tp)
         deadline = now + self.worker.config.transfer_timeout_s
-        self.arrivals.expect(spec.transfer_id, spec.generation, len(producers), deadline)
+        self.arrivals.expect(spec.transfer_id, spec.generation, producers, deadline)
         old = self.expecting.get(spec.transfer_id)
         if old is not None:
             old.alive = False
@@ -152,50 +185,119 @@ class Receiver(PeerLoop[_Read]):
             self._register(spec, producers)
 
     def _outcomes(self, outcomes: list[Outcome]) -> None:
-        now = time.monotonic()
-        results = self.worker.results
         for outcome in outcomes:
-            expecting = self.expecting.pop(outcome.transfer_id, None)
-            if expecting is None:
+            expecting = self.expecting.get(outcome.transfer_id)
+            if expecting is None or expecting.spec.generation != outcome.generation:
                 continue
+            if isinstance(outcome, ArrivalFailed):
+                self._failed(expecting, outcome)
+                continue
+            del self.expecting[outcome.transfer_id]
             expecting.alive = False
-            spec = expecting.spec
-            if expecting.aborted:
-                results.received(spec.request_id)  # nothing lands in its blocks any more
-            elif isinstance(outcome, ArrivalFailed):
-                if self.pull:
-                    self._stop_reading(expecting, f"decode gave up: {outcome.reason}")
-                log.warning("request %s: KV did not arrive: %s", spec.request_id, outcome.reason)
-                results.count("failures", "receive_failed")
-                results.received(spec.request_id, spec.block_ids)
-            else:
+            spec, results = expecting.spec, self.worker.results
+            if isinstance(outcome, Arrived):
                 results.received(spec.request_id)
-                results.observe(wait_s=now - expecting.started)
+                results.observe(wait_s=time.monotonic() - expecting.started)
+                continue
+            if outcome.by_time:
+                log.warning(
+                    "request %s: reusing its blocks after a %g s fence without every prefill "
+                    "rank confirming that no WRITE can land (frozen or partitioned?)",
+                    spec.request_id,
+                    self.worker.config.fence_s,
+                )
+                results.count("failures", "fence_timeout")
+            # vLLM frees (or, on a load failure, fails) the request once reported; its
+            # blocks are safe to reuse now.
+            results.received(spec.request_id, () if expecting.aborted else spec.block_ids)
 
-    def _abort(self, item: Aborted) -> None:
+    def _failed(self, expecting: _Expecting, failed: ArrivalFailed) -> None:
+        """The KV will not arrive: stop every producer that may still write (`Released`
+        follows when none can)."""
+        spec, results = expecting.spec, self.worker.results
+        if not expecting.aborted:
+            log.warning("request %s: KV did not arrive: %s", spec.request_id, failed.reason)
+            results.count("failures", failed.kind)
+            results.count("failures", "receive_failed")
+        if self.pull:
+            self._stop_reading(expecting, failed)
+            return
+        cancel = Cancel(
+            spec.transfer_id,
+            spec.generation,
+            failed.reason[:MAX_TEXT_LEN],
+            self.worker.config.host,
+            self.worker.port,
+        )
+        for rank in failed.unsettled:
+            self.peers.submit(self._send, expecting, rank, cancel)
+
+    def _abort(self, item: AbortSpec, now: float) -> None:
         """The request ended while waiting for its KV. vLLM frees its blocks once we report
         it received, so that waits until no transfer can land in them any more."""
         expecting = self.expecting.get(item.transfer_id)
-        if expecting is None or expecting.aborted:
+        if expecting is None:
+            if item.prefill_host:
+                self._abort_unallocated(item)
             return
-        spec = expecting.spec
-        if self.pull:
-            # Our own READs are cancelled or never posted: the blocks are free now.
-            del self.expecting[item.transfer_id]
-            self.arrivals.forget(item.transfer_id)
-            expecting.alive = False
-            self._stop_reading(expecting, "decode request ended")
-            self.worker.results.received(spec.request_id)
+        if expecting.aborted:
             return
-        # A WRITE may be in flight: wait for its WriteDone, or the deadline after which
-        # prefill no longer starts one.
         expecting.aborted = True
-        cancel = Cancel(item.transfer_id, _ALL_GENERATIONS, "decode request ended")
-        for rank in expecting.producers:
-            try:
-                self._client(spec.prefill_host, spec.prefill_port + rank).send(cancel)
-            except (ConnectionError, OSError) as exc:
-                log.warning("could not cancel %s at prefill: %s", item.transfer_id, exc)
+        why = "decode request ended (client gone or request aborted)"
+        self._outcomes(self.arrivals.fail(item.transfer_id, why, "aborted", now))
+
+    def _abort_unallocated(self, item: AbortSpec) -> None:
+        """The request ended before it got blocks: nothing can land here, but prefill may
+        hold KV for it - tell each producer rank to free it now."""
+        ident = self.worker.identity
+        why = "decode request ended before it got blocks"
+        for rank in planning.peer_ranks(ident.tp_rank, ident.tp_size, item.prefill_tp):
+            msg: Message
+            if self.pull:
+                msg = ReadDone(item.transfer_id, 0, ident.tp_rank, ident.tp_size, False, why)
+            else:
+                msg = Cancel(item.transfer_id, _ALL_GENERATIONS, why)
+            self.peers.notify(item.prefill_host, item.prefill_port + rank, msg)
+
+    def _watch(self, now: float) -> None:
+        """Fail transfers whose prefill rank closed the connection that carried them."""
+        closed: dict[tuple[str, int, int], bool] = {}
+        for expecting in list(self.expecting.values()):
+            spec = expecting.spec
+            if not self.arrivals.is_waiting(spec.transfer_id, spec.generation):
+                continue
+            for rank, connection in list(expecting.connections.items()):
+                key = (spec.prefill_host, spec.prefill_port + rank, connection)
+                if key not in closed:
+                    peer = self.peers.peers.get(key[:2])
+                    closed[key] = (
+                        peer is not None
+                        and peer.client.connection == connection
+                        and peer.client.peer_closed()
+                    )
+                if closed[key]:
+                    why = (
+                        f"prefill rank {rank} at {key[0]}:{key[1]} closed its control "
+                        "connection: it exited or restarted, and its KV for this request is gone"
+                    )
+                    self._outcomes(self.arrivals.fail(spec.transfer_id, why, "peer_gone", now))
+                    break
+
+    def _send(self, expecting: _Expecting, rank: int, msg: Message) -> None:
+        """Pool thread: send a Registration or Cancel to producer rank `rank`."""
+        spec = expecting.spec
+        client = self._client(spec.prefill_host, spec.prefill_port + rank)
+        try:
+            client.send(msg)
+        except (ConnectionError, OSError) as exc:
+            gone = isinstance(exc, Unreachable)
+            why = f"cannot send {type(msg).__name__} to prefill rank {rank}: {exc}"
+            if not gone:
+                log.warning("%s", why)
+            self.inbox.put((_NotSent(spec, rank, why, gone), time.monotonic()))
+            return
+        if isinstance(msg, Registration):
+            expecting.connections[rank] = client.connection
 
     def _client(self, host: str, port: int) -> ControlClient:
         return self.peers.get(host, port).client
@@ -218,20 +320,14 @@ class Receiver(PeerLoop[_Read]):
             generation=spec.generation,
             deadline_ms=int(worker.config.transfer_timeout_s * 1000),
         )
+        expecting = self.expecting[spec.transfer_id]
         for rank in producers:
-            try:
-                self._client(spec.prefill_host, spec.prefill_port + rank).send(reg)
-            except (ConnectionError, OSError) as exc:
-                why = f"prefill {spec.prefill_host}:{spec.prefill_port + rank} unreachable: {exc}"
-                self._outcomes([ArrivalFailed(spec.transfer_id, spec.generation, why)])
-                self.arrivals.forget(spec.transfer_id)
-                return
+            self.peers.submit(self._send, expecting, rank, reg)
 
     # Pull
 
     def _current(self, spec: RecvSpec) -> bool:
-        expecting = self.expecting.get(spec.transfer_id)
-        return expecting is not None and expecting.spec.generation == spec.generation
+        return self.arrivals.is_waiting(spec.transfer_id, spec.generation)
 
     def _post_read(self, read: _Read, peer: Peer[_Read]) -> None:
         spec = read.spec
@@ -244,9 +340,12 @@ class Receiver(PeerLoop[_Read]):
                 "kvpush pull mode, or the router dropped its answer's kv_transfer_params",
             )
             return
+        expecting = self.expecting[spec.transfer_id]
+        expecting.connections[read.rank] = peer.client.connection
         try:
             self.post(
                 read,
+                spec.transfer_id,
                 "READ",
                 peer,
                 spec.block_ids,
@@ -266,25 +365,31 @@ class Receiver(PeerLoop[_Read]):
         done = self._read_done(read.spec, True, "")
         self.peers.submit(self._ask, read.spec, read.rank, moving.peer.client, done)
 
-    def _read_failed(self, read: _Read, why: str) -> None:
-        self._producer_done(read.spec, read.rank, False, why)
+    def _read_failed(self, read: _Read, why: str, kind: str = "read_failed") -> None:
+        self._producer_done(read.spec, read.rank, False, why, kind)
 
-    def _producer_done(self, spec: RecvSpec, rank: int, ok: bool, why: str) -> None:
+    def _producer_done(
+        self, spec: RecvSpec, rank: int, ok: bool, why: str, kind: str = "read_failed"
+    ) -> None:
         self._outcomes(
             self.arrivals.on_producer_done(
-                spec.transfer_id, spec.generation, rank, ok, why, time.monotonic()
+                spec.transfer_id, spec.generation, rank, ok, why, time.monotonic(), kind
             )
         )
 
-    def _stop_reading(self, expecting: _Expecting, reason: str) -> None:
+    def _stop_reading(self, expecting: _Expecting, failed: ArrivalFailed) -> None:
         """Cancel the transfer's READs still in flight and let prefill free its blocks."""
         spec = expecting.spec
-        self.inflight.cancel(lambda read: read.spec is spec)
+        stuck = {read.rank for read in self.inflight.cancel(lambda read: read.spec is spec)}
+        reason = f"decode gave up: {failed.reason}"
         done = self._read_done(spec, False, reason)
         for rank in expecting.producers:
             peer = self.peers.peers.get((spec.prefill_host, spec.prefill_port + rank))
             if peer is not None and peer.hello is not None:  # never bother a refused peer
                 self.peers.submit(self._ask, spec, rank, peer.client, done)
+        for rank in failed.unsettled:
+            if rank not in stuck:  # a READ NIXL could not cancel is fenced until it ends
+                self._outcomes(self.arrivals.settle(spec.transfer_id, spec.generation, rank))
 
     def _read_done(self, spec: RecvSpec, ok: bool, error: str) -> ReadDone:
         ident = self.worker.identity

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvpush.vllm.config import KvpushConfig
-from kvpush.vllm.metadata import KvpushMetadata, RecvSpec, SendSpec
+from kvpush.vllm.metadata import AbortSpec, KvpushMetadata, RecvSpec, SendSpec
 from kvpush.vllm.stats import HookTimer
 
 if TYPE_CHECKING:
@@ -35,22 +35,34 @@ class SchedulerSide:
         self.timer = HookTimer("scheduler")
         self._recv: list[RecvSpec] = []
         self._send: list[SendSpec] = []
-        self._aborted: list[tuple[str, str]] = []
+        self._aborted: list[AbortSpec] = []
         # Prefill: requests whose blocks we hold until the worker says the write is done.
         self._sending: dict[str, float] = {}
         # Decode: requests waiting for their KV, with the generation of their registration.
         self._receiving: dict[str, str] = {}
         self._generations: dict[str, int] = {}
+        # Decode, test hook hold_decode: when a held request was first seen.
+        self._held: dict[str, float] = {}
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         with self.timer("get_num_new_matched_tokens"):
             params = request.kv_transfer_params
             if not params or not params.get("do_remote_prefill") or params.get(_DONE_MARK):
                 return 0, False
+            if self._hold(request, str(params.get("transfer_id") or request.request_id)):
+                return None, False  # vLLM: not known yet, ask again next step
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
+
+    def _hold(self, request: Request, transfer_id: str) -> bool:
+        """Test hook hold_decode: keep the request unallocated for a while."""
+        faults = self.config.faults
+        if not faults:
+            return False
+        first = self._held.setdefault(request.request_id, time.monotonic())
+        return time.monotonic() - first < faults.seconds("hold_decode", transfer_id)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -97,18 +109,34 @@ class SchedulerSide:
             params = request.kv_transfer_params
             if not params:
                 return False, None
+            self._held.pop(request.request_id, None)
             transfer_id = str(params.get("transfer_id") or request.request_id)
             if request.request_id in self._receiving:
-                # Decode ended (e.g. client gone) before its KV arrived: tell prefill.
+                # Decode ended (e.g. client gone) before its KV arrived: its worker stops
+                # the transfer, and vLLM frees the blocks once it reports the request.
                 del self._receiving[request.request_id]
                 self._generations.pop(transfer_id, None)
-                self._aborted.append((transfer_id, request.request_id))
+                self._aborted.append(AbortSpec(transfer_id, request.request_id))
                 return False, None
             self._generations.pop(transfer_id, None)
+            if not self.is_producer and params.get("do_remote_prefill"):
+                if not params.get(_DONE_MARK) and "remote_host" in params:
+                    # Ended before it got blocks: nothing to stop here, but prefill may
+                    # hold KV for it; tell prefill so it frees it now, not at lease end.
+                    self._aborted.append(
+                        AbortSpec(
+                            transfer_id,
+                            request.request_id,
+                            str(params["remote_host"]),
+                            int(params["remote_port"]),
+                            int(params.get("tp_size") or 1),
+                        )
+                    )
+                return False, None
             if not (self.is_producer and params.get("do_remote_decode")):
                 return False, None
             if not _finished_normally(request) or not block_ids:
-                self._aborted.append((transfer_id, request.request_id))
+                self._aborted.append(AbortSpec(transfer_id, request.request_id))
                 return False, None
             self._send.append(
                 SendSpec(

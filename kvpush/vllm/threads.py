@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush.vllm.stats import empty_data
@@ -64,14 +65,6 @@ class Results:
                 self.data[name].append(value)
 
 
-@dataclass(frozen=True, slots=True)
-class Aborted:
-    """Inbox item: the request ended locally before its transfer did."""
-
-    transfer_id: str
-    request_id: str
-
-
 class Loop(threading.Thread):
     """A daemon thread draining `inbox`; subclasses handle items and timeouts."""
 
@@ -79,12 +72,18 @@ class Loop(threading.Thread):
         super().__init__(name=name, daemon=True)
         self.worker = worker
         self.inbox: queue.Queue[tuple[object, float]] = queue.Queue()
+        self._later: list[tuple[float, int, object, float]] = []
+        self._seq = itertools.count()
         self._stopping = False
 
     def stop(self) -> None:
         self._stopping = True
         self.inbox.put((None, 0.0))
         self.join(timeout=5)
+
+    def later(self, item: object, at: float, delay: float) -> None:
+        """Handle `item` (queued at `at`) again `delay` seconds from now, on this thread."""
+        heapq.heappush(self._later, (time.monotonic() + delay, next(self._seq), item, at))
 
     def run(self) -> None:
         while not self._stopping:
@@ -95,6 +94,9 @@ class Loop(threading.Thread):
             try:
                 if item is not None:
                     self.handle(item, at)
+                while self._later and self._later[0][0] <= time.monotonic():
+                    _, _, due, due_at = heapq.heappop(self._later)
+                    self.handle(due, due_at)
                 self.tick()
             except Exception:  # a bug must not kill the thread silently
                 log.exception("%s: unexpected error", self.name)
@@ -102,8 +104,9 @@ class Loop(threading.Thread):
 
     def wait_time(self) -> float | None:
         """How long to wait for the next item: until the next deadline (None: no limit)."""
-        deadline = self.next_deadline()
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
+        later = self._later[0][0] if self._later else None
+        due = [d for d in (self.next_deadline(), later) if d is not None]
+        return max(0.0, min(due) - time.monotonic()) if due else None
 
     def next_deadline(self) -> float | None:
         raise NotImplementedError

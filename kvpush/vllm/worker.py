@@ -47,7 +47,7 @@ from kvpush.vllm.pull import LeaseKeeper
 from kvpush.vllm.push import PushWriter
 from kvpush.vllm.receiver import Receiver
 from kvpush.vllm.stats import HookTimer
-from kvpush.vllm.threads import Aborted, Results
+from kvpush.vllm.threads import Results
 
 log = logging.getLogger("kvpush.worker")
 
@@ -132,6 +132,19 @@ class WorkerSide:
             self.config.host,
             self.port,
         )
+        if self.config.secret is None:
+            log.warning(
+                "kvpush control messages on %s:%d are not authenticated: anyone who can reach "
+                "the port can send them; set the same secret in KVPUSH_SECRET (or the variable "
+                "kv_connector_extra_config.secret_env names) on every prefill and decode",
+                self.config.host,
+                self.port,
+            )
+        if self.config.faults:
+            log.warning(
+                "kvpush test hooks enabled (KVPUSH_FAULTS): %s; never in production",
+                ", ".join(sorted(self.config.faults.enabled)),
+            )
 
     @property
     def _parts(self) -> list[PushWriter | LeaseKeeper | Receiver]:
@@ -154,6 +167,10 @@ class WorkerSide:
             return self.hello
         if self.keeper is not None and isinstance(msg, ReadDone | LeaseRenew):
             return self.keeper.answer(msg)
+        if isinstance(msg, Registration) and self.config.faults.fires(
+            "drop_registration", msg.transfer_id
+        ):
+            return None
         if self.writer is not None and isinstance(msg, Registration | Cancel):
             self.writer.inbox.put((msg, time.monotonic()))
         elif self.keeper is not None and isinstance(msg, Registration):
@@ -177,8 +194,8 @@ class WorkerSide:
             # A pull-mode prefill that ended early granted no lease: nothing to undo.
             target = self.writer or self.receiver
             if target is not None:
-                for transfer_id, request_id in meta.aborted:
-                    target.inbox.put((Aborted(transfer_id, request_id), now))
+                for abort in meta.aborted:
+                    target.inbox.put((abort, now))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self.timer("get_finished"):

@@ -17,6 +17,7 @@ from kvpush.core.rendezvous import (
     LocalBlocks,
     NotifyFailure,
     ReleaseBlocks,
+    Released,
     Rendezvous,
     StartWrite,
     base_request_id,
@@ -76,7 +77,7 @@ def test_registration_first_then_prefill_starts_the_write() -> None:
     rdv = Rendezvous()
     assert rdv.register(reg(), 0.0) == []
     assert rdv.waiting_registrations == 1
-    assert done(rdv, now=1.0) == [StartWrite(reg(), local())]
+    assert done(rdv, now=1.0) == [StartWrite(reg(), local(), deadline=10.0)]
     assert rdv.writes_in_flight == 1 and rdv.held_blocks == 3
     assert rdv.write_finished("t1", 0, True, "", 2.0) == [ReleaseBlocks(local(), "written")]
     assert_idle(rdv)
@@ -86,7 +87,7 @@ def test_prefill_first_then_registration_starts_the_write() -> None:
     rdv = Rendezvous()
     assert done(rdv) == []
     assert rdv.waiting_prefills == 1
-    assert rdv.register(reg(), 1.0) == [StartWrite(reg(), local())]
+    assert rdv.register(reg(), 1.0) == [StartWrite(reg(), local(), deadline=11.0)]
 
 
 def test_failed_write_releases_and_tells_decode() -> None:
@@ -132,7 +133,7 @@ def test_newer_generation_replaces_waiting_registration() -> None:
     assert drop == DropRegistration(reg(generation=0), "superseded by generation 1")
     assert rdv.register(reg(generation=0), 0.6) == []
     assert rdv.stats.stale_registrations == 1
-    assert done(rdv) == [StartWrite(reg(generation=1), local())]
+    assert done(rdv) == [StartWrite(reg(generation=1), local(), deadline=10.5)]
 
 
 def test_newer_generation_during_a_write_is_written_next() -> None:
@@ -142,9 +143,9 @@ def test_newer_generation_during_a_write_is_written_next() -> None:
     assert rdv.register(reg(generation=0), 0.1) == []  # duplicate
     assert rdv.register(reg(generation=1), 0.2) == []
     assert rdv.queued_registrations == 1
-    assert rdv.write_finished("t1", 0, False, "preempted", 1.0) == [
-        StartWrite(reg(generation=1), local())
-    ]
+    notice, start = rdv.write_finished("t1", 0, False, "preempted", 1.0)
+    assert isinstance(notice, NotifyFailure) and notice.message.generation == 0
+    assert start == StartWrite(reg(generation=1), local(), deadline=10.2)
     assert kinds(rdv.write_finished("t1", 1, True, "", 2.0)) == ["ReleaseBlocks"]
     assert_idle(rdv)
     assert rdv.stats.writes_started == 2
@@ -212,14 +213,60 @@ def test_cancel_of_finished_prefill_releases() -> None:
     assert_idle(rdv)
 
 
-def test_cancel_during_write_suppresses_failure_notice_and_drops_queued() -> None:
-    rdv = Rendezvous()
+def test_cancel_during_write_drops_queued_and_is_acknowledged_when_the_write_ended() -> None:
+    rdv = Rendezvous(tp_rank=1, tp_size=2)
     rdv.register(reg(generation=0), 0.0)
     done(rdv)
     rdv.register(reg(generation=1), 0.1)
-    assert kinds(rdv.cancel("t1", 1, "client went away", 0.2)) == ["DropRegistration"]
-    assert kinds(rdv.write_finished("t1", 0, False, "cancelled", 1.0)) == ["ReleaseBlocks"]
+    actions = rdv.cancel("t1", 1, "client went away", 0.2, ack_to=("10.0.0.9", 7000))
+    assert kinds(actions) == ["DropRegistration"], "no acknowledgement while a write flies"
+    actions = rdv.write_finished("t1", 0, False, "cancelled", 1.0)
+    assert kinds(actions) == ["ReleaseBlocks", "NotifyFailure", "NotifyFailure"]
+    failure, ack = actions[1], actions[2]
+    assert isinstance(failure, NotifyFailure) and failure.message.generation == 0
+    assert isinstance(ack, NotifyFailure) and (ack.host, ack.port) == ("10.0.0.9", 7000)
+    assert ack.message == WriteDone(
+        "t1", 1, 1, 2, False, "cancel acknowledged: no write of this transfer can land any more"
+    )
     assert_idle(rdv)
+
+
+@pytest.mark.parametrize("state", ["unknown", "waiting", "finished", "written", "stale"])
+def test_cancel_is_acknowledged_at_once_when_no_write_is_in_flight(state: str) -> None:
+    rdv = Rendezvous()
+    if state in ("waiting", "written", "stale"):
+        rdv.register(reg(generation=2 if state == "stale" else 0), 0.0)
+    if state in ("finished", "written"):
+        done(rdv)
+    if state == "written":
+        rdv.write_finished("t1", 0, True, "", 0.5)
+    actions = rdv.cancel("t1", 1, "gave up", 1.0, ack_to=("decode", 1))
+    assert isinstance(actions[-1], NotifyFailure) and actions[-1].message.generation == 1
+    assert (
+        kinds(actions[:-1])
+        == {
+            "unknown": [],
+            "waiting": ["DropRegistration"],
+            "finished": ["ReleaseBlocks"],
+            "written": [],
+            "stale": [],
+        }[state]
+    )
+    # nothing of the cancelled generations is written afterwards
+    assert not [a for a in rdv.register(reg(generation=1), 1.1) if isinstance(a, StartWrite)]
+    if state != "finished":
+        starts = [a for a in done(rdv, now=1.2) if isinstance(a, StartWrite)]
+        assert all(a.registration.generation > 1 for a in starts)
+
+
+def test_a_write_carries_its_registrations_deadline() -> None:
+    rdv = Rendezvous()
+    rdv.register(reg(deadline_ms=2000), 1.0)
+    [start] = done(rdv, now=1.5)
+    assert isinstance(start, StartWrite) and start.deadline == 3.0
+    rdv.register(reg(generation=1, deadline_ms=1000), 1.6)
+    [queued] = rdv.write_finished("t1", 0, True, "", 1.7)
+    assert isinstance(queued, StartWrite) and queued.deadline == 2.6
 
 
 def test_queued_registration_expires_while_old_write_hangs() -> None:
@@ -287,7 +334,7 @@ rendezvous_ops = st.lists(
     st.one_of(
         st.tuples(st.just("register"), transfers, st.integers(0, 3), st.integers(0, 6000)),
         st.tuples(st.just("prefill"), transfers),
-        st.tuples(st.just("cancel"), transfers, st.integers(0, 3)),
+        st.tuples(st.just("cancel"), transfers, st.integers(0, 3), st.booleans()),
         st.tuples(st.just("abort"), transfers),
         st.tuples(st.just("finish"), st.integers(0, N - 1), st.booleans()),
         st.tuples(st.just("tick"), st.floats(0, 3)),
@@ -315,6 +362,9 @@ class RendezvousModel:
         self.notified: Counter[tuple[int, int]] = Counter()
         self.released: Counter[int] = Counter()
         self.register_calls = 0
+        self.acked: dict[int, int] = {}
+        self.acks_sent = 0
+        self.cancels_acked = 0
 
     def index(self, transfer_id: str) -> int:
         return int(transfer_id[3])
@@ -336,9 +386,11 @@ class RendezvousModel:
                 tid = self.prefill_ids[i]
                 self.check(self.rdv.prefill_done(tid, tid, (i,), 40, self.now))
         elif name == "cancel":
-            _, i, gen = op
+            _, i, gen, ack = op
             assert isinstance(i, int) and isinstance(gen, int)
-            self.check(self.rdv.cancel(self.decode_ids[i], gen, "test", self.now))
+            self.cancels_acked += bool(ack)
+            ack_to = ("ack", 1) if ack else None
+            self.check(self.rdv.cancel(self.decode_ids[i], gen, "test", self.now, ack_to))
         elif name == "abort":
             i = op[1]
             assert isinstance(i, int)
@@ -383,14 +435,24 @@ class RendezvousModel:
                 assert gen == self.newest_sent[i], "only the newest generation is written"
                 self.outcomes[i, gen] += 1
                 assert self.outcomes[i, gen] == 1, "at most one outcome per generation"
+                assert gen > self.acked.get(i, -1), "nothing is written after an acknowledgement"
+                assert self.now <= action.deadline
                 self.in_flight[i] = gen
             elif isinstance(action, DropRegistration):
                 key = self.index(action.registration.transfer_id), action.registration.generation
                 self.outcomes[key] += 1
                 assert self.outcomes[key] == 1, "at most one outcome per generation"
+            elif isinstance(action, NotifyFailure) and action.host == "ack":
+                msg = action.message
+                i = self.index(msg.transfer_id)
+                assert not msg.ok and msg.transfer_id == self.decode_ids[i]
+                flying = self.in_flight.get(i)
+                assert flying is None or flying > msg.generation, "acknowledged mid-write"
+                self.acked[i] = max(self.acked.get(i, -1), msg.generation)
+                self.acks_sent += 1
             elif isinstance(action, NotifyFailure):
                 msg = action.message
-                assert not msg.ok and msg.transfer_id == action.registration.transfer_id
+                assert not msg.ok and (action.host, action.port) == ("127.0.0.1", 5600)
                 key = self.index(msg.transfer_id), msg.generation
                 self.notified[key] += 1
                 assert self.notified[key] == 1
@@ -423,6 +485,7 @@ def test_random_interleavings_keep_the_invariants(
     assert stats.registrations == model.register_calls
     # every registration ends exactly once: ignored as stale, written, or dropped
     assert stats.registrations - stats.stale_registrations == sum(model.outcomes.values())
+    assert model.acks_sent == model.cancels_acked, "every cancel that asks is acknowledged once"
 
 
 # -- decode side: Arrivals -----------------------------------------------------------------
@@ -438,26 +501,82 @@ def test_arrival_needs_one_completion_per_producer() -> None:
     assert arrivals.on_write_done(wd(rank=1), 1.0) == []
     assert arrivals.on_write_done(wd(rank=1), 1.1) == []
     assert arrivals.stats.duplicates == 1
+    assert arrivals.on_write_done(wd(rank=3), 1.1) == [], "not a producer of this transfer"
     assert arrivals.on_write_done(wd(rank=0), 1.2) == [Arrived("t1", 0)]
     assert arrivals.pending == 0
     assert arrivals.on_write_done(wd(rank=2), 1.3) == []
-    assert arrivals.stats.unexpected == 1
+    assert arrivals.stats.unexpected == 2
 
 
-def test_arrival_fails_on_first_error_cancel_or_deadline() -> None:
+def test_producers_may_be_any_ranks() -> None:
     arrivals = Arrivals()
-    arrivals.expect("a", 0, 2, 10.0)
-    arrivals.expect("b", 0, 1, 10.0)
-    arrivals.expect("c", 0, 3, 5.0)
-    [failed] = arrivals.on_write_done(wd("a", ok=False), 1.0)
+    arrivals.expect("t1", 0, producers=(2, 3), deadline=10.0)
+    assert arrivals.on_write_done(wd(rank=0), 1.0) == []
+    assert arrivals.on_write_done(wd(rank=2), 1.0) == []
+    assert arrivals.on_write_done(wd(rank=3), 1.0) == [Arrived("t1", 0)]
+
+
+def test_a_failure_releases_the_blocks_only_when_every_producer_settled() -> None:
+    arrivals = Arrivals(fence_s=2.0)
+    arrivals.expect("t1", 0, producers=3, deadline=10.0)
+    arrivals.on_write_done(wd(rank=0), 1.0)
+    [failed] = arrivals.on_write_done(wd(rank=1, ok=False), 1.5)
     assert isinstance(failed, ArrivalFailed) and "boom" in failed.reason
+    assert failed.kind == "prefill_failed" and failed.unsettled == (2,)
+    assert arrivals.pending == 1 and arrivals.fenced == 1
+    assert not arrivals.is_waiting("t1", 0)
+    assert arrivals.on_write_done(wd(rank=1, ok=False), 1.6) == [], "already settled"
+    reason = failed.reason
+    assert arrivals.on_write_done(wd(rank=2, ok=False), 1.7) == [Released("t1", 0, reason, False)]
+    assert arrivals.pending == 0 and arrivals.next_deadline() is None
+
+
+def test_a_failure_with_every_producer_settled_is_released_at_once() -> None:
+    arrivals = Arrivals()
+    arrivals.expect("t1", 0, producers=1, deadline=10.0)
+    failed, released = arrivals.on_write_done(wd(ok=False), 1.0)
+    assert isinstance(failed, ArrivalFailed) and failed.unsettled == ()
+    assert released == Released("t1", 0, failed.reason, False)
+
+
+def test_a_silent_producer_is_fenced_until_after_the_transfer_deadline() -> None:
+    arrivals = Arrivals(fence_s=2.0)
+    arrivals.expect("t1", 0, producers=2, deadline=5.0)
+    [failed] = arrivals.fail("t1", "decode request ended", "aborted", 1.0)
+    assert isinstance(failed, ArrivalFailed) and failed.unsettled == (0, 1)
+    assert arrivals.fail("t1", "again", "aborted", 1.1) == []
+    assert arrivals.settle("t1", 0, 0) == []
+    assert arrivals.next_deadline() == 7.0, "prefill may post until about the deadline"
+    assert arrivals.expire(6.9) == []
+    assert arrivals.expire(7.0) == [Released("t1", 0, "decode request ended", True)]
+    assert arrivals.stats.released_by_time == 1
+
+
+def test_a_timeout_asks_the_unsettled_producers_and_is_fenced_from_then() -> None:
+    arrivals = Arrivals(fence_s=1.0)
+    arrivals.expect("t1", 0, producers=3, deadline=5.0)
+    arrivals.on_write_done(wd(rank=0), 2.0)
+    [late] = arrivals.expire(5.0)
+    assert isinstance(late, ArrivalFailed) and late.kind == "transfer_timeout"
+    assert "1 of 3 producer ranks" in late.reason and late.unsettled == (1, 2)
+    assert arrivals.settle("t1", 0, 1) == []
+    assert arrivals.on_write_done(wd(rank=2), 5.5) == [Released("t1", 0, late.reason, False)]
+
+
+def test_settled_producers_before_the_failure_count() -> None:
+    arrivals = Arrivals()
+    arrivals.expect("t1", 0, producers=2, deadline=5.0)
+    assert arrivals.settle("t1", 0, 1) == []
+    [failed] = arrivals.fail("t1", "gone", "peer_gone", 1.0)
+    assert isinstance(failed, ArrivalFailed) and failed.unsettled == (0,)
+
+
+def test_a_cancel_from_prefill_fails_without_settling() -> None:
+    arrivals = Arrivals()
+    arrivals.expect("b", 0, 1, 10.0)
     [cancelled] = arrivals.on_cancel(Cancel("b", 0, "prefill aborted"), 1.0)
     assert isinstance(cancelled, ArrivalFailed) and "prefill aborted" in cancelled.reason
-    arrivals.on_write_done(wd("c"), 2.0)
-    assert arrivals.next_deadline() == 5.0
-    [late] = arrivals.expire(5.0)
-    assert isinstance(late, ArrivalFailed) and "1 of 3 producer ranks" in late.reason
-    assert arrivals.pending == 0 and arrivals.next_deadline() is None
+    assert cancelled.unsettled == (0,)
 
 
 def test_arrival_generations() -> None:
@@ -469,15 +588,17 @@ def test_arrival_generations() -> None:
     assert arrivals.on_cancel(Cancel("t1", 0, "old"), 1.0) == []
     with pytest.raises(ValueError, match="bump the generation"):
         arrivals.expect("t1", 1, 1, 10.0)
+    assert arrivals.is_waiting("t1", 1) and not arrivals.is_waiting("t1", 0)
     assert arrivals.on_write_done(wd(generation=1), 1.0) == [Arrived("t1", 1)]
     assert arrivals.expire(math.inf) == []
 
 
 def test_arrival_after_deadline_fails_even_before_expire_runs() -> None:
-    arrivals = Arrivals()
+    arrivals = Arrivals(fence_s=0.0)
     arrivals.expect("t1", 0, 1, 1.0)
-    [late] = arrivals.on_write_done(wd(), 1.5)
-    assert isinstance(late, ArrivalFailed)
+    late, released = arrivals.on_write_done(wd(), 1.5)
+    assert isinstance(late, ArrivalFailed) and late.kind == "transfer_timeout"
+    assert isinstance(released, Released), "the late write did complete: nothing in flight"
     assert arrivals.forget("t1") is False
 
 
@@ -486,6 +607,8 @@ arrival_ops = st.lists(
         st.tuples(st.just("expect"), transfers, st.integers(1, 3), st.floats(0, 5)),
         st.tuples(st.just("done"), transfers, st.integers(-1, 0), st.integers(0, 3), st.booleans()),
         st.tuples(st.just("cancel"), transfers, st.integers(-1, 1)),
+        st.tuples(st.just("fail"), transfers),
+        st.tuples(st.just("settle"), transfers, st.integers(0, 3)),
         st.tuples(st.just("forget"), transfers),
         st.tuples(st.just("tick"), st.floats(0, 2)),
     ),
@@ -494,26 +617,42 @@ arrival_ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(arrival_ops)
-def test_arrivals_report_each_transfer_once(ops: list[tuple[object, ...]]) -> None:
-    arrivals = Arrivals()
+@given(arrival_ops, st.sampled_from([0.0, 0.5, 3.0]))
+def test_arrivals_report_each_transfer_once_and_fence_failures(
+    ops: list[tuple[object, ...]], fence_s: float
+) -> None:
+    """Each transfer ends once: Arrived, or ArrivalFailed then Released. A Released that
+    time did not force comes only after every producer rank said it will not write."""
+    arrivals = Arrivals(fence_s=fence_s)
     now = 0.0
     generation: dict[int, int] = {}
     producers: dict[int, int] = {}
-    arrivals_deadline: dict[int, float] = {}
+    deadline: dict[int, float] = {}
     ok_ranks: dict[tuple[int, int], set[int]] = {}
+    spoke: dict[tuple[int, int], set[int]] = {}  # ranks that reported or were settled
+    failed_at: dict[tuple[int, int], float] = {}
     open_: set[tuple[int, int]] = set()
-    outcomes: Counter[tuple[int, int]] = Counter()
+    ended: Counter[tuple[int, int]] = Counter()
 
-    def record(results: list[Arrived | ArrivalFailed]) -> None:
+    def record(results: list[Arrived | ArrivalFailed | Released]) -> None:
         for result in results:
             key = int(result.transfer_id[1]), result.generation
             assert key in open_, "outcome for a transfer not pending"
+            if isinstance(result, ArrivalFailed):
+                assert key not in failed_at, "one failure per transfer"
+                failed_at[key] = now
+                assert set(result.unsettled) == set(range(producers[key[0]])) - spoke[key]
+                continue
             open_.discard(key)
-            outcomes[key] += 1
-            assert outcomes[key] == 1
+            ended[key] += 1
+            assert ended[key] == 1
             if isinstance(result, Arrived):
+                assert key not in failed_at
                 assert len(ok_ranks[key]) >= producers[key[0]]
+            elif result.by_time:
+                assert now >= max(failed_at[key], deadline[key[0]]) + fence_s
+            else:
+                assert spoke[key] >= set(range(producers[key[0]])), "released mid-write"
 
     for op in ops:
         name, *args = op
@@ -523,22 +662,34 @@ def test_arrivals_report_each_transfer_once(ops: list[tuple[object, ...]]) -> No
             gen = generation.get(i, -1) + 1
             open_.discard((i, gen - 1))
             generation[i], producers[i] = gen, count
-            ok_ranks[i, gen] = set()
+            ok_ranks[i, gen], spoke[i, gen] = set(), set()
             open_.add((i, gen))
-            arrivals_deadline[i] = now + ttl
+            deadline[i] = now + ttl
             arrivals.expect(f"t{i}", gen, count, now + ttl)
         elif name == "done" and args[0] in generation:
             i, offset, rank, ok = args
             assert isinstance(i, int) and isinstance(offset, int) and isinstance(rank, int)
             gen = max(generation[i] + offset, 0)
-            if ok and (i, gen) in open_ and now <= arrivals_deadline[i]:
-                ok_ranks[i, gen].add(rank)
+            if (i, gen) in open_ and rank < producers[i]:
+                spoke[i, gen].add(rank)
+                if ok and now <= deadline[i] and (i, gen) not in failed_at:
+                    ok_ranks[i, gen].add(rank)
             record(arrivals.on_write_done(wd(f"t{i}", gen, rank, bool(ok)), now))
         elif name == "cancel" and args[0] in generation:
             i, offset = args
             assert isinstance(i, int) and isinstance(offset, int)
             gen = max(generation[i] + offset, 0)
             record(arrivals.on_cancel(Cancel(f"t{i}", gen, "test"), now))
+        elif name == "fail" and args[0] in generation:
+            i = args[0]
+            assert isinstance(i, int)
+            record(arrivals.fail(f"t{i}", "test", "aborted", now))
+        elif name == "settle" and args[0] in generation:
+            i, rank = args
+            assert isinstance(i, int) and isinstance(rank, int)
+            if (i, generation[i]) in open_ and rank < producers[i]:
+                spoke[i, generation[i]].add(rank)
+            record(arrivals.settle(f"t{i}", generation[i], rank))
         elif name == "forget":
             i = args[0]
             assert isinstance(i, int)
@@ -548,5 +699,6 @@ def test_arrivals_report_each_transfer_once(ops: list[tuple[object, ...]]) -> No
             assert isinstance(args[0], float)
             now += args[0]
             record(arrivals.expire(now))
-    record(arrivals.expire(math.inf))
+    now = math.inf
+    record(arrivals.expire(now))
     assert not open_ and arrivals.pending == 0

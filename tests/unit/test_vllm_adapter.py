@@ -13,6 +13,7 @@ import torch
 from kvpush.core.planning import plan_transfer
 from kvpush.vllm.config import KvpushConfig
 from kvpush.vllm.layout import block_pieces, describe_kv_caches
+from kvpush.vllm.metadata import AbortSpec
 from kvpush.vllm.scheduler import SchedulerSide
 
 
@@ -114,7 +115,7 @@ def test_decode_abort_before_arrival_is_forwarded() -> None:
     side.update_state_after_alloc(req, FakeBlocks(), 4)  # type: ignore[arg-type]
     side.build_connector_meta(SimpleNamespace())
     assert side.request_finished(req, [3, 4]) == (False, None)  # type: ignore[arg-type]
-    assert side.build_connector_meta(SimpleNamespace()).aborted == [("t1", "r")]
+    assert side.build_connector_meta(SimpleNamespace()).aborted == [AbortSpec("t1", "r")]
 
 
 def test_prefill_holds_blocks_until_the_write_is_done() -> None:
@@ -144,7 +145,7 @@ def test_aborted_prefill_frees_at_once_and_tells_the_worker() -> None:
         "p", [1], {"do_remote_decode": True, "transfer_id": "t1"}, RequestStatus.FINISHED_ABORTED, 1
     )
     assert side.request_finished(req, [9]) == (False, None)  # type: ignore[arg-type]
-    assert side.build_connector_meta(SimpleNamespace()).aborted == [("t1", "p")]
+    assert side.build_connector_meta(SimpleNamespace()).aborted == [AbortSpec("t1", "p")]
 
 
 def test_config_rejects_unknown_keys_and_reads_the_side_channel_env() -> None:
