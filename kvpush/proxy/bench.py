@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -31,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush.proxy.rewrite import MODES
@@ -80,13 +82,19 @@ class Run:
 
     ttft: list[float]  # the probe's requests
     total: list[float]  # the load streams' requests, start to last byte
-    completed: int
+    completed: int  # within the measured window
     seconds: float
     errors: int
+    finished: int  # all requests done, warm-up included
+    proxy_cpu: float = math.nan  # CPU seconds the proxy process used during the run
 
     @property
     def rps(self) -> float:
         return self.completed / self.seconds
+
+    @property
+    def cpu_per_request(self) -> float:
+        return self.proxy_cpu / self.finished if self.finished else math.nan
 
     def stat(self, values: str, q: int) -> float:
         data = getattr(self, values)
@@ -144,7 +152,7 @@ async def drive(url: str, streams: int, spec: BenchSpec, throughput: bool = Fals
     load_body = {**base, "max_tokens": spec.tokens, "stream": True}
     ttft: list[float] = []
     total: list[float] = []
-    counts = {"completed": 0, "errors": 0}
+    counts = {"completed": 0, "errors": 0, "finished": 0}
     record_from = time.perf_counter() + spec.warmup
     stop_at = record_from + spec.seconds
 
@@ -153,6 +161,7 @@ async def drive(url: str, streams: int, spec: BenchSpec, throughput: bool = Fals
             counts["errors"] += time.perf_counter() > record_from
             return
         started, first_byte, done = timing
+        counts["finished"] += 1
         if started >= record_from and done <= stop_at:
             counts["completed"] += 1
             into.append((first_byte if first else done) - started)
@@ -173,7 +182,7 @@ async def drive(url: str, streams: int, spec: BenchSpec, throughput: bool = Fals
             await asyncio.gather(
                 probe(session, spec.probe_every), *(load(session) for _ in range(streams - 1))
             )
-    return Run(ttft, total, counts["completed"], spec.seconds, counts["errors"])
+    return Run(ttft, total, counts["completed"], spec.seconds, counts["errors"], counts["finished"])
 
 
 # -- the servers, each in its own process ------------------------------------------------
@@ -238,6 +247,15 @@ class _Child:
         self.process.join(10)
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process so far (Linux /proc), NaN where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return math.nan
+
+
 # -- the whole benchmark -----------------------------------------------------------------
 
 
@@ -259,7 +277,12 @@ def measure(spec: BenchSpec, progress: Callable[[str], None]) -> tuple[list[Row]
             runs: dict[str, list[Run]] = {"direct": [], "proxy": []}
             for repeat in range(spec.repeats):
                 for side, url in (("direct", direct), ("proxy", through)):
+                    cpu = cpu_seconds(proxy.process.pid)
                     run = asyncio.run(drive(url, streams, spec, throughput))
+                    if side == "proxy":
+                        run = dataclasses.replace(
+                            run, proxy_cpu=cpu_seconds(proxy.process.pid) - cpu
+                        )
                     runs[side].append(run)
                     progress(
                         f"  {what} {streams:>4} streams, {side:<6} run {repeat + 1}/"
@@ -288,6 +311,9 @@ def render(spec: BenchSpec, rows: Sequence[Row], throughput: Row, load: float) -
     def rps(run: Run) -> float:
         return run.rps
 
+    def cpu(run: Run) -> float:
+        return run.cpu_per_request
+
     headers = [
         "streams",
         "direct TTFT p50",
@@ -297,6 +323,7 @@ def render(spec: BenchSpec, rows: Sequence[Row], throughput: Row, load: float) -
         "added to stream end p50",
         "direct req/s",
         "proxy req/s",
+        "proxy CPU/req",
         "probes",
         "errors",
     ]
@@ -310,11 +337,13 @@ def render(spec: BenchSpec, rows: Sequence[Row], throughput: Row, load: float) -
             ms(r.added(p("total", 50))),
             f"{r.median('direct', rps):.0f}",
             f"{r.median('proxy', rps):.0f}",
+            ms(r.median("proxy", cpu)),
             str(sum(len(run.ttft) for run in r.proxy)),
             str(sum(run.errors for run in r.proxy + r.direct)),
         ]
         for r in rows
     ]
+    per_request = throughput.median("proxy", cpu)
     gap = f"{spec.token_gap * 1e3:g} ms apart" if spec.token_gap else "back to back"
     return "\n".join(
         [
@@ -323,13 +352,15 @@ def render(spec: BenchSpec, rows: Sequence[Row], throughput: Row, load: float) -
             f"load streams: {spec.tokens} tokens {gap} each; the probe: one-token requests, "
             f"at most one per {spec.probe_every * 1e3:g} ms",
             f"{spec.seconds:g} s per run, median of {spec.repeats} runs each way; times in ms; "
-            "added = through the proxy - direct",
+            "added = through the proxy - direct; proxy CPU/req: the proxy process's CPU time "
+            "per request",
             "",
             format_table(headers, table),
             "",
             f"throughput ({throughput.streams} streams, one-token non-streaming requests back "
             f"to back): direct {throughput.median('direct', rps):.0f} req/s, through the proxy "
-            f"{throughput.median('proxy', rps):.0f} req/s",
+            f"{throughput.median('proxy', rps):.0f} req/s; the proxy's CPU time "
+            f"{ms(per_request)} ms per request, {1 / per_request:.0f} req/s per core it gets",
         ]
     )
 

@@ -485,10 +485,11 @@ class Proxy:
         decode_body = rewrite.decode_body(
             job.body, rewrite.push_decode_params(prefill.backend, rid)
         )
+        # Decode first: the sooner it registers its blocks, the sooner prefill can write.
+        decode_task = asyncio.ensure_future(self._decode(decode, job, decode_body, rid, relay))
         prefill_task = asyncio.ensure_future(
             self._prefill(prefill, job, rewrite.push_prefill_params(rid), relay, rid)
         )
-        decode_task = asyncio.ensure_future(self._decode(decode, job, decode_body, rid, relay))
         try:
             done, _ = await asyncio.wait(
                 {prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED

@@ -11,7 +11,8 @@ from kvpush.proxy.stub import StubBackend, StubBehaviour, serve_stub
 
 
 def run(ttft_ms: list[float], total_ms: list[float] | None = None, completed: int = 10) -> Run:
-    return Run([t / 1e3 for t in ttft_ms], [t / 1e3 for t in total_ms or []], completed, 2.0, 0)
+    ttft, total = [t / 1e3 for t in ttft_ms], [t / 1e3 for t in total_ms or []]
+    return Run(ttft, total, completed, 2.0, 0, completed, proxy_cpu=completed * 0.0005)
 
 
 def test_added_latency_is_the_median_over_repeats_of_proxy_minus_direct() -> None:
@@ -34,6 +35,7 @@ def test_the_table_has_a_row_per_stream_count_and_the_throughput_line() -> None:
     assert any(line.split()[:4] == ["1", "1.00", "1.40", "0.40"] for line in lines)
     assert any(line.startswith("64 ") for line in lines)
     assert "direct 4500 req/s, through the proxy 1500 req/s" in text
+    assert "0.50 ms per request, 2000 req/s per core" in text
 
 
 @pytest.mark.parametrize(
@@ -78,3 +80,4 @@ def test_the_benchmark_runs_end_to_end_in_its_own_processes() -> None:
     assert len(lines) == 4 and rows[0].streams == 2
     assert rows[0].proxy[0].ttft and throughput.proxy[0].completed > 0
     assert rows[0].proxy[0].errors == 0 and throughput.proxy[0].errors == 0
+    assert throughput.proxy[0].proxy_cpu > 0 and math.isnan(throughput.direct[0].proxy_cpu)
