@@ -2,9 +2,11 @@
 
 It builds the tiny model if needed, then runs `kvpush bench sweep` with a grid small enough
 for about 10 minutes on a 2-core machine: each connector setup as shipped (vLLM's pull and
-push, kvpush's push and pull) at 512-token prompts and two request rates, `vllm bench
-serve` with 12 prompts per point and a 20 s deadline per request; then it prints the ratio
-table and writes the figure. Every option of `kvpush bench sweep` can change the grid.
+push, kvpush's push and pull) plus vLLM's pull with NIXL's progress thread paced
+(`vllm-pull-nospin`, to separate the spin from the design), at 256-token prompts, a light
+(0.5 req/s) and a heavy (4 req/s) load, `vllm bench serve` with 10 prompts per point and a
+30 s deadline per request; then it prints the ratio table and writes the figure. Every
+option of `kvpush bench sweep` can change the grid.
 Each demo writes to a new results/demo/<time> directory; to resume an interrupted one, give
 its directory with --out.
 
@@ -25,13 +27,13 @@ from kvpush.bench import cli as bench_cli
 from kvpush.testbed.topology import MAIN_SETUPS
 
 DEMO = {
-    "setups": ",".join(MAIN_SETUPS),
-    "rates": "1,4",
-    "input_lens": "512",
+    "setups": ",".join((*MAIN_SETUPS, "vllm-pull-nospin")),
+    "rates": "0.5,4",
+    "input_lens": "256",
     "output_len": 32,
-    "num_prompts": 12,
+    "num_prompts": 10,
     "iterations": 1,
-    "request_timeout": 20.0,
+    "request_timeout": 30.0,
     "out": Path("results/demo"),
 }
 

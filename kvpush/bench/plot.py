@@ -23,27 +23,35 @@ def is_vllm(setup: str) -> bool:
     return setup.startswith("vllm-")
 
 
-def best(rows: Sequence[Aggregate], metric: str, nospin: bool) -> float | None:
-    """The lowest value of `metric` among vLLM's ok setups (shipped, or nospin ones)."""
-    values = [
-        getattr(r, metric)
+def best(rows: Sequence[Aggregate], metric: str, nospin: bool) -> tuple[float | None, bool]:
+    """The lowest `metric` among vLLM's setups (shipped, or nospin ones): (value, partial).
+
+    Setups whose runs were ok come first; only when none was are the partial numbers of
+    stalled runs used (then the reference is biased low, i.e. in vLLM's favour).
+    """
+    candidates = [
+        r
         for r in rows
         if is_vllm(r.setup)
         and r.setup.endswith("-nospin") == nospin
-        and r.status == "ok"
         and getattr(r, metric) is not None
     ]
-    return min(values) if values else None
+    ok = [getattr(r, metric) for r in candidates if r.status == "ok"]
+    if ok:
+        return min(ok), False
+    partial = [getattr(r, metric) for r in candidates]
+    return (min(partial), True) if partial else (None, False)
 
 
-def ratio(value: float | None, reference: float | None) -> str:
-    if value is None or reference is None or reference <= 0:
+def ratio(value: float | None, reference: tuple[float | None, bool]) -> str:
+    ref, partial = reference
+    if value is None or ref is None or ref <= 0:
         return "-"
-    return f"{value / reference:.2f}x"
+    return f"{value / ref:.2f}x" + ("*" if partial else "")
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _ms(value: float | None, partial: bool = False) -> str:
+    return "-" if value is None else f"{value:.1f}" + ("*" if partial else "")
 
 
 def table(rows: Sequence[Aggregate]) -> str:
@@ -64,17 +72,19 @@ def table(rows: Sequence[Aggregate]) -> str:
         }
         for r in sorted(here, key=lambda r: r.setup):
             result = "ok" if r.status == "ok" else r.status
-            if r.runs > 1 or r.status != "ok":
+            if r.runs > 1:
                 result += f" {r.ok}/{r.runs}"
+            if r.status != "ok":
+                result += f" ({r.completed}/{r.requests} done)"
             cells = [
                 str(input_len),
                 f"{rate:g}",
                 r.setup,
                 result,
-                _ms(r.ttft_p50),
-                _ms(r.ttft_p99),
-                _ms(r.tpot_p50),
-                _ms(r.tpot_p99),
+                _ms(r.ttft_p50, r.partial),
+                _ms(r.ttft_p99, r.partial),
+                _ms(r.tpot_p50, r.partial),
+                _ms(r.tpot_p99, r.partial),
                 "-" if r.throughput is None else f"{r.throughput:.2f}",
                 ratio(r.ttft_p50, refs["ttft_p50", False]),
                 ratio(r.tpot_p50, refs["tpot_p50", False]),
@@ -93,6 +103,11 @@ def table(rows: Sequence[Aggregate]) -> str:
     ]
     if with_nospin:
         notes.append("X/nospin: the same against the best vllm-*-nospin setup")
+    if any(r.partial for r in rows):
+        notes.append(
+            "*: no run was ok there; the numbers are of the requests that finished before "
+            "the others timed out, so they understate that setup's latency"
+        )
     failures = [r for r in rows if r.status != "ok"]
     for r in failures:
         reason = r.reasons[0] if r.reasons else "no reason recorded"
@@ -121,7 +136,7 @@ def draw(rows: Sequence[Aggregate], path: Path, title: str = "") -> Path:
                 )
                 colour = colours(s_index % 10)
                 style = ":" if setup.endswith("-nospin") else "-"
-                good = [r for r in mine if r.status == "ok"]
+                good = [r for r in mine if r.status == "ok" or r.partial]
                 ax.plot(
                     [r.rate for r in good],
                     [getattr(r, f"{metric}_p50") for r in good],

@@ -192,6 +192,11 @@ class Aggregate:
     tpot_p50: float | None
     tpot_p99: float | None
     throughput: float | None
+    completed: int = 0  # requests that finished, over all runs
+    requests: int = 0  # requests sent, over all runs
+    # No run was ok, so the latencies are those of the requests that did finish in the
+    # runs that stalled or failed: biased low (the slowest requests are the missing ones).
+    partial: bool = False
 
     @property
     def status(self) -> str:
@@ -213,14 +218,20 @@ def median(values: Iterable[float | None]) -> float | None:
 
 
 def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
-    """Medians over iterations of the ok runs, per (setup, input length, rate)."""
+    """Medians over iterations of the ok runs, per (setup, input length, rate).
+
+    Where no run was ok but some requests finished, their latencies are given instead,
+    flagged `partial`.
+    """
     groups: dict[tuple[str, int, float], list[dict[str, Any]]] = {}
     for result in results:
         key = (result["setup"], int(result["input_len"]), float(result["rate"]))
         groups.setdefault(key, []).append(result)
     rows = []
     for (setup, input_len, rate), runs in sorted(groups.items()):
-        good = [r for r in runs if r["status"] == "ok"]
+        ok_runs = [r for r in runs if r["status"] == "ok"]
+        partial = not ok_runs and any(r.get("completed") for r in runs)
+        good = ok_runs or [r for r in runs if r.get("completed")]
 
         def mid(metric: str, stat: str, good: list[dict[str, Any]] = good) -> float | None:
             return median((r.get(metric) or {}).get(stat) for r in good)
@@ -231,7 +242,7 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
                 input_len,
                 rate,
                 len(runs),
-                len(good),
+                len(ok_runs),
                 [r["status"] for r in runs],
                 [r["reason"] for r in runs if r.get("reason")],
                 mid("ttft", "p50"),
@@ -239,6 +250,9 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
                 mid("tpot", "p50"),
                 mid("tpot", "p99"),
                 median(r.get("request_throughput") for r in good),
+                sum(int(r.get("completed") or 0) for r in runs),
+                sum(int(r.get("num_prompts") or 0) for r in runs),
+                partial,
             )
         )
     return rows

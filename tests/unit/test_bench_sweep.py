@@ -241,3 +241,22 @@ def test_nospin_agents_do_not_spin() -> None:
     assert nospin.NixlConnector is KVConnectorFactory.get_connector_class_by_name("NixlConnector")
     with pytest.raises(AttributeError):
         nospin.SomethingElse  # noqa: B018
+
+
+def test_a_setup_that_never_ran_clean_shows_what_did_finish_flagged(tmp_path: Path) -> None:
+    point = Point(1, "vllm-pull", 256, 4.0, 32)
+    stalled = record(point, "ok", ttft=900.0)
+    stalled.update(status="stalled", reason="1 of 16 requests timed out", completed=15, failed=1)
+    results.write_result(point.path(tmp_path), stalled)
+    ours = Point(1, "kvpush-push", 256, 4.0, 32)
+    results.write_result(ours.path(tmp_path), record(ours, ttft=90.0))
+    rows = results.aggregate(results.load_results(tmp_path))
+    theirs = next(r for r in rows if r.setup == "vllm-pull")
+    assert theirs.partial and theirs.status == "stalled" and theirs.ttft_p50 == 900.0
+    assert (theirs.completed, theirs.requests) == (15, 16)
+    text = plot.table(rows)
+    line = next(x for x in text.splitlines() if x.startswith("256") and "vllm-pull" in x)
+    assert "stalled (15/16 done)" in line and "900.0*" in line
+    ours_line = next(x for x in text.splitlines() if "kvpush-push" in x)
+    assert "0.10x*" in ours_line  # against a reference that is itself partial
+    assert "understate" in text
