@@ -470,7 +470,7 @@ class Proxy:
         for attempt in itertools.count():
             prefill = self._choose("prefill", job.prompt_tokens, tried["prefill"])
             decode = self._choose("decode", 1, tried["decode"])
-            relay.prefill = prefill.backend
+            relay.prefill, relay.prefill_seconds = prefill.backend, None
             # A fresh transfer id per pair: nothing of an abandoned pair can match this one.
             rid = job.request_id if attempt == 0 else f"{job.request_id}-retry{attempt}"
             try:
@@ -848,6 +848,9 @@ async def _describe(resp: aiohttp.ClientResponse) -> str:
 def _transport_failure(
     role: str, backend: Backend, exc: BaseException, config: ProxyConfig
 ) -> BackendFailure:
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        detail = f"cannot connect within --connect-timeout {config.connect_timeout:g} s"
+        return BackendFailure(role, backend, 502, detail, UNSENT)
     if isinstance(exc, asyncio.TimeoutError):
         return BackendFailure(
             role,

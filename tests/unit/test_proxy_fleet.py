@@ -79,16 +79,19 @@ async def rig(
     decode: int = 1,
     dead_prefill: int = 0,
     dead_decode: int = 0,
+    first_prefill: str | None = None,
     **config: Any,
 ) -> AsyncIterator[Rig]:
-    """Stub backends (dead ones, refusing connections, listed first) and a proxy."""
+    """Stub backends (dead ones, refusing connections, listed first, after `first_prefill`
+    if given) and a proxy."""
     stubs = {
         "prefill": [StubBackend(f"prefill-{i}") for i in range(prefill)],
         "decode": [StubBackend(f"decode-{i}") for i in range(decode)],
     }
     runners = []
     urls: dict[str, list[str]] = {
-        "prefill": [dead_url() for _ in range(dead_prefill)],
+        "prefill": [first_prefill] * bool(first_prefill)
+        + [dead_url() for _ in range(dead_prefill)],
         "decode": [dead_url() for _ in range(dead_decode)],
     }
     for role, backends in stubs.items():
@@ -378,3 +381,27 @@ async def test_per_backend_metrics_cover_load_ttft_and_handoff() -> None:
         assert sample(metrics, "kvpush_proxy_handoff_seconds_count", backend=decode) == 1
         assert sample(metrics, "kvpush_proxy_handoff_seconds_sum", backend=decode) >= 0.05
         assert sample(metrics, "kvpush_proxy_backend_seconds_per_unit", backend=decode) >= 0.05
+
+
+async def test_a_backend_that_never_accepts_is_a_connect_timeout_and_is_passed_over() -> None:
+    # A listening socket whose accept queue is full drops new connections' SYNs: connecting
+    # hangs, as to a host that vanished without a reset.
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        fillers = [socket.socket() for _ in range(3)]
+        for filler in fillers:
+            filler.setblocking(False)
+            filler.connect_ex(full.getsockname())
+        silent = f"http://127.0.0.1:{full.getsockname()[1]}"
+        try:
+            async with rig(prefill=1, first_prefill=silent, connect_timeout=0.3) as r:
+                started = time.monotonic()
+                resp = await r.post()
+                assert resp.status == 200 and time.monotonic() - started < 3
+                assert "cannot connect within --connect-timeout 0.3 s" in (
+                    r.state("prefill", silent).reason
+                )
+        finally:
+            for filler in fillers:
+                filler.close()
