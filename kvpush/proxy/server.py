@@ -586,7 +586,8 @@ class Proxy:
             return error_response(failure.client_status, str(failure), "backend_error", backend.url)
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
-        """Probes every backend now; a role with none answering makes the proxy degraded."""
+        """Checks every backend now (each probe counts as a health check); a backend is ok
+        when it answers and takes requests; a role with none ok makes the proxy degraded."""
         report: dict[str, Any] = {}
         ejected: dict[str, str] = {}
         for role, pool in self.pools.items():
@@ -594,7 +595,11 @@ class Proxy:
             problems = await asyncio.gather(
                 *(probe_health(self.session, s.url, 2.0) for s in states)
             )
-            report[role] = {s.url: p is None for s, p in zip(states, problems, strict=True)}
+            for state, problem in zip(states, problems, strict=True):
+                self.checked(role, state, problem)
+            report[role] = {
+                s.url: p is None and s.healthy for s, p in zip(states, problems, strict=True)
+            }
             ejected.update({s.url: s.reason for s in states if not s.healthy})
         healthy = all(any(report[role].values()) for role in ROLES)
         return web.json_response(

@@ -3,6 +3,7 @@ file, health checks and ejection, safe retries, load-aware choice and per-backen
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import socket
 import time
@@ -15,8 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvpush.cli import build_parser
-from kvpush.proxy.cli import config_from_args
+from kvpush.proxy.cli import config_from_args, register
 from kvpush.proxy.rewrite import Backend
 from kvpush.proxy.server import PROXY_KEY, Proxy, ProxyConfig, start_proxy
 from kvpush.proxy.stub import StubBackend, StubBehaviour, serve_stub
@@ -231,7 +231,8 @@ async def test_a_changed_fleet_file_becomes_the_pools_and_a_broken_one_is_ignore
 def test_the_command_line_reads_backends_from_a_fleet_file(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.json"
     fleet.write_text('{"prefill": ["http://h:1"], "decode": ["http://h:2", "http://h:3"]}')
-    parser = build_parser()
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
     args = parser.parse_args(["proxy", "--mode", "pull", "--config", str(fleet)])
     config = config_from_args(args)
     assert len(config.decode) == 2 and config.fleet_file == fleet
@@ -405,3 +406,19 @@ async def test_a_backend_that_never_accepts_is_a_connect_timeout_and_is_passed_o
         finally:
             for filler in fillers:
                 filler.close()
+
+
+async def test_proxy_health_is_ok_only_once_an_ejected_backend_is_taken_back() -> None:
+    async with rig(decode=1, health_interval=60, return_after=2) as r:
+        state = r.state("decode", r.decode_urls[0])
+        await eventually(lambda: state.passed_checks == 1)  # the monitor's first round is done
+        r.proxy.eject("decode", state, "cannot connect (test)")
+        # Each /health probe counts as a check: answering once is not yet enough to return.
+        async with r.session.get(r.url + "/health") as resp:
+            report = await resp.json()
+            assert resp.status == 503 and report["decode"] == {state.url: False}
+            assert report["ejected"] == {state.url: "cannot connect (test)"}
+        assert (await r.post()).status == 503
+        async with r.session.get(r.url + "/health") as resp:
+            assert resp.status == 200 and (await resp.json())["ejected"] == {}
+        assert (await r.post()).status == 200
