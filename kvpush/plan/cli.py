@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvpush.plan import machine_cli
 from kvpush.plan.model import (
     DTYPE_BYTES,
     KIB,
@@ -211,7 +212,7 @@ def register(subparsers: Any) -> None:
         help="slot utilisation to plan for; the articles advise under ~80%% (default: 0.8)",
     )
     plan.set_defaults(func=run_plan)
-    nested = plan.add_subparsers(dest="plan_command", metavar="{simulate}")
+    nested = plan.add_subparsers(dest="plan_command", metavar="{simulate,measure,check}")
     sim = nested.add_parser(
         "simulate",
         help="discrete-event simulation of pull vs push TTFT/TPOT over a rate x length grid",
@@ -231,6 +232,15 @@ def register(subparsers: Any) -> None:
     )
     grid.add_argument("--seed", type=int, default=0, help="arrival RNG seed (default: 0)")
     grid.add_argument("--plot", metavar="FILE.png", help="draw TTFT and TPOT vs rate")
+    measured = sim.add_argument_group(
+        "measured parameters (instead of the flags below; see `kvpush plan measure`)"
+    )
+    measured.add_argument(
+        "--profile", metavar="PROFILE.json", help="a machine profile from `kvpush plan measure`"
+    )
+    measured.add_argument(
+        "--setup", help="the profile's connector setup to simulate, e.g. kvpush-push"
+    )
     pre = sim.add_argument_group(
         "prefill (default: FLOPs of --model/--preset at --mfu of --gpu-tflops x TP)"
     )
@@ -254,6 +264,12 @@ def register(subparsers: Any) -> None:
         help=f"fraction of peak prefill sustains, an assumption (default: {PREFILL_MFU})",
     )
     pre.add_argument(
+        "--prefill-fixed-ms",
+        type=float,
+        default=0.0,
+        help="prefill time per prompt whatever its length (default: 0)",
+    )
+    pre.add_argument(
         "--prefill-concurrency",
         type=int,
         default=1,
@@ -264,6 +280,20 @@ def register(subparsers: Any) -> None:
         "--hop-ms", type=float, default=1.0, help="one proxy HTTP hop (default: 1.0, assumed)"
     )
     dec.add_argument(
+        "--api-fixed-ms",
+        type=float,
+        default=0.0,
+        help="a server's front end per response, on prefill's answer in pull and on the "
+        "first token (default: 0, left out)",
+    )
+    dec.add_argument(
+        "--api-us-per-token",
+        type=float,
+        default=0.0,
+        help="a server's front end per prompt token before its engine sees the prompt "
+        "(tokenisation; default: 0, left out)",
+    )
+    dec.add_argument(
         "--base-tpot-ms",
         type=float,
         default=5.6,
@@ -271,6 +301,13 @@ def register(subparsers: Any) -> None:
     )
     dec.add_argument(
         "--per-seq-ms", type=float, default=0.0, help="extra step time per sequence (default: 0)"
+    )
+    dec.add_argument(
+        "--per-context-token-us",
+        type=float,
+        default=0.0,
+        help="extra step time per context token in the batch, beyond reading its KV "
+        "(attention compute; default: 0)",
     )
     dec.add_argument(
         "--hbm-tbps",
@@ -287,6 +324,7 @@ def register(subparsers: Any) -> None:
         f"vLLM PR #45211: {PR45211_SUBMIT_MS} ms at {PR45211_PROMPT_TOKENS} tokens)",
     )
     sim.set_defaults(func=run_simulate)
+    machine_cli.register(nested)
 
 
 def _fail(exc: PlanError) -> int:
@@ -391,12 +429,13 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def sim_params(args: argparse.Namespace) -> SimParams:
     shape, flops = resolve_model(args)
+    fixed_s = args.prefill_fixed_ms / 1e3
     if args.prefill_tok_s is not None:
-        prefill = PrefillSpeed(args.prefill_tok_s, args.prefill_attn_tokens or math.inf)
+        prefill = PrefillSpeed(args.prefill_tok_s, args.prefill_attn_tokens or math.inf, fixed_s)
     elif flops is not None:
         prefill = flops.prefill_speed(args.tp, args.gpu_tflops, args.mfu)
-        if args.prefill_attn_tokens is not None:
-            prefill = PrefillSpeed(prefill.tokens_per_s, args.prefill_attn_tokens)
+        attn = prefill.attn_tokens if args.prefill_attn_tokens is None else args.prefill_attn_tokens
+        prefill = PrefillSpeed(prefill.tokens_per_s, attn, fixed_s)
     else:
         raise PlanError(
             "cannot derive prefill speed from the shape flags alone (or from a mixture-of-"
@@ -414,8 +453,11 @@ def sim_params(args: argparse.Namespace) -> SimParams:
         output_len=args.output_len,
         num_prompts=args.num_prompts,
         hop_ms=args.hop_ms,
+        api_fixed_ms=args.api_fixed_ms,
+        api_us_per_token=args.api_us_per_token,
         base_tpot_ms=args.base_tpot_ms,
         per_seq_ms=args.per_seq_ms,
+        per_context_token_us=args.per_context_token_us,
         pull_submit_us_per_token=args.pull_submit_us_per_token,
         seed=args.seed,
     )
@@ -468,8 +510,8 @@ def render_results(params: SimParams, results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def plot_results(results: Sequence[RunResult], path: str) -> None:
-    """TTFT (top) and TPOT (bottom) mean vs rate; one column per input length."""
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files only, or a PlanError that names the fix."""
     try:
         import matplotlib
 
@@ -477,6 +519,22 @@ def plot_results(results: Sequence[RunResult], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlanError("--plot needs matplotlib; pip install matplotlib or drop --plot") from None
+    return plt
+
+
+def save_figure(plt: Any, fig: Any, path: str) -> None:
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise PlanError(f"cannot write --plot {path!r}: {exc.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+def plot_results(results: Sequence[RunResult], path: str) -> None:
+    """TTFT (top) and TPOT (bottom) mean vs rate; one column per input length."""
+    plt = pyplot()
     lens = sorted({r.input_len for r in results})
     modes = [mode for mode in MODES if any(r.mode == mode for r in results)]
     fig, axes = plt.subplots(2, len(lens), figsize=(4.5 * len(lens), 7), squeeze=False)
@@ -499,21 +557,19 @@ def plot_results(results: Sequence[RunResult], path: str) -> None:
             axes[row][col].set_xlabel("request rate (req/s)")
             axes[row][col].grid(True, alpha=0.3)
             axes[row][col].legend()
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise PlanError(f"cannot write --plot {path!r}: {exc.strerror}") from None
-    finally:
-        plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
     try:
-        params = sim_params(args)
+        if args.profile is not None:
+            params, modes = machine_cli.profile_params(args)
+        elif args.setup is not None:
+            raise PlanError("--setup names a setup of a --profile; pass --profile too")
+        else:
+            params, modes = sim_params(args), _modes(args.modes)
         rates = _positive_list(float, "--rates", args.rates)
         lens = _positive_list(int, "--input-lens", args.input_lens)
-        modes = _modes(args.modes)
 
         def progress(index: int, total: int, what: str) -> None:
             print(f"[{index}/{total}] {what}", file=sys.stderr, flush=True)

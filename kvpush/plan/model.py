@@ -139,22 +139,26 @@ class DenseFlops:
 
 @dataclass(frozen=True, slots=True)
 class PrefillSpeed:
-    """Prefill time of n tokens = n / tokens_per_s x (1 + n / attn_tokens).
+    """Prefill time of n tokens = fixed_s + n / tokens_per_s x (1 + n / attn_tokens).
 
     `tokens_per_s` is the rate on matmuls alone; `attn_tokens` is the prompt length at which
-    causal attention costs as many FLOPs per token as the matmuls (inf: ignore attention).
+    causal attention costs as many FLOPs per token as the matmuls (inf: ignore attention);
+    `fixed_s` is what a prompt costs whatever its length (an engine step's own overhead,
+    which a small model on a CPU core makes visible; 0 in a FLOPs estimate).
     """
 
     tokens_per_s: float
     attn_tokens: float = math.inf
+    fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_positive("--prefill-tok-s", self.tokens_per_s, "pass prefill tokens/s")
         if not self.attn_tokens > 0:
             raise PlanError(f"--prefill-attn-tokens must be > 0 (got {self.attn_tokens!r})")
+        check_non_negative("--prefill-fixed-ms", self.fixed_s, "pass ms per prompt")
 
     def seconds(self, tokens: int) -> float:
-        return tokens / self.tokens_per_s * (1 + tokens / self.attn_tokens)
+        return self.fixed_s + tokens / self.tokens_per_s * (1 + tokens / self.attn_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,13 @@ What is simulated (one request's path):
    (context tokens x KV bytes per token / (TP x `hbm_tbps`)), plus any inline submissions.
    TTFT = first token - arrival; TPOT = (last token - first token) / (output_len - 1), as
    `vllm bench serve` computes them.
+5. Front ends (0 in the articles' setup, which states none; measured on a CPU machine by
+   `kvpush plan measure`): each server reads a prompt for `api_us_per_token` per token
+   before its engine sees it, and each answer leaves through its front end in
+   `api_fixed_ms` - prefill's answer on the way to decode in pull, decode's first token on
+   the way to the client in both modes. In push decode's front end works while prefill
+   runs; in pull it comes after. `per_context_token_us` adds step time per context token
+   beyond reading its KV (attention on a CPU), and `PrefillSpeed.fixed_s` a cost per prompt.
 
 Defaults are the articles' setup (Qwen3-32B, 1P1D, 2 x 8 x H200, TP 8, 50 GB/s per GPU,
 `--max-num-seqs 8`, 128 output tokens, 400 prompts) and each engine cost is derived there:
@@ -140,8 +147,11 @@ class SimParams:
     output_len: int = 128
     num_prompts: int = 400
     hop_ms: float = 1.0
+    api_fixed_ms: float = 0.0
+    api_us_per_token: float = 0.0
     base_tpot_ms: float = 5.6
     per_seq_ms: float = 0.0
+    per_context_token_us: float = 0.0
     pull_submit_us_per_token: float = PR45211_SUBMIT_MS * 1e3 / PR45211_PROMPT_TOKENS
     seed: int = 0
 
@@ -162,6 +172,11 @@ class SimParams:
         check_positive("--link-gbps", self.link_gbps, "pass GB/s per GPU (articles: 50)")
         check_positive("--hbm-tbps", self.hbm_tbps, "pass HBM TB/s per GPU (H200: 4.8)")
         check_non_negative("--hop-ms", self.hop_ms, "pass one proxy hop in ms")
+        check_non_negative("--api-fixed-ms", self.api_fixed_ms, "pass ms per server response")
+        check_non_negative("--api-us-per-token", self.api_us_per_token, "pass us per token")
+        check_non_negative(
+            "--per-context-token-us", self.per_context_token_us, "pass us per context token"
+        )
         check_non_negative("--base-tpot-ms", self.base_tpot_ms, "pass a measured TPOT")
         check_non_negative("--per-seq-ms", self.per_seq_ms, "pass ms per running sequence")
         check_non_negative(
@@ -178,9 +193,14 @@ class SimParams:
     def submit_s(self, tokens: int) -> float:
         return tokens * self.pull_submit_us_per_token * 1e-6
 
+    def api_in_s(self, tokens: int) -> float:
+        """A server's front end, before its engine sees a prompt of `tokens` tokens."""
+        return tokens * self.api_us_per_token * 1e-6
+
     def step_s(self, batch: int, context_tokens: int) -> float:
         kv_read = context_tokens * self.kv_bytes_per_token / (self.tp * self.hbm_tbps * 1e3 * GB)
-        return (self.base_tpot_ms + self.per_seq_ms * batch) * 1e-3 + kv_read
+        attention = context_tokens * self.per_context_token_us * 1e-6
+        return (self.base_tpot_ms + self.per_seq_ms * batch) * 1e-3 + kv_read + attention
 
 
 def articles_params(**overrides: object) -> SimParams:
@@ -264,9 +284,10 @@ class _Sim:
         return self.requests
 
     def arrive(self, req: _Request, now: float) -> None:
-        self.at(now + self.hop, partial(self.prefill_enqueue, req))
+        seen = now + self.hop + self.p.api_in_s(req.tokens)
+        self.at(seen, partial(self.prefill_enqueue, req))
         if self.mode == "push":
-            self.at(now + self.hop, partial(self.decode_sees, req))
+            self.at(seen, partial(self.decode_sees, req))
 
     # prefill: processor sharing among at most `prefill_concurrency` prompts
     def prefill_advance(self, now: float) -> None:
@@ -305,7 +326,10 @@ class _Sim:
     def prefill_finished(self, req: _Request, now: float) -> None:
         req.prefill_done = now
         if self.mode == "pull":
-            self.at(now + 2 * self.hop, partial(self.decode_sees, req))
+            # prefill's answer goes out through its front end, then via the proxy to
+            # decode's front end
+            answered = now + self.p.api_fixed_ms * 1e-3 + 2 * self.hop
+            self.at(answered + self.p.api_in_s(req.tokens), partial(self.decode_sees, req))
         elif req.registered <= now:
             self.start_transfer(req, now)
 
@@ -377,7 +401,8 @@ def simulate(params: SimParams, mode: Mode, rate: float, input_len: int) -> RunR
     check_positive("--rates", rate, "pass request rates in req/s")
     check_positive_int("--input-lens", input_len, "pass prompt lengths in tokens")
     requests = _Sim(params, mode, rate, input_len).run()
-    ttft = [(req.first_token - req.arrival) * 1e3 for req in requests]
+    # the first token still passes decode's front end on its way to the client
+    ttft = [(req.first_token - req.arrival) * 1e3 + params.api_fixed_ms for req in requests]
     tpot = [(req.finished - req.first_token) * 1e3 / (params.output_len - 1) for req in requests]
     return RunResult(
         mode=mode,

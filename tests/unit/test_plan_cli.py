@@ -128,5 +128,9 @@ def test_simulate_with_measured_prefill_speed(capsys: pytest.CaptureFixture[str]
     )
     assert main(argv.split()) == 0
     body = json.loads(capsys.readouterr().out)
-    assert body["params"]["prefill"] == {"tokens_per_s": 40000.0, "attn_tokens": None}
+    assert body["params"]["prefill"] == {
+        "tokens_per_s": 40000.0,
+        "attn_tokens": None,
+        "fixed_s": 0.0,
+    }
     assert body["results"][0]["prefill_load"] == pytest.approx(2 * 2048 / 40000)

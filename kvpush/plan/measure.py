@@ -1,0 +1,345 @@
+"""`kvpush plan measure`: this machine's simulator parameters, from probes without a handoff.
+
+For each connector setup it starts that setup's 1P1D servers exactly as `kvpush bench
+sweep` does (`kvpush/testbed/topology.py`, eager, prefix caching off on decode), with the
+connector's hooks timed (`kvpush.bench.timed`), and measures, per prompt length:
+
+1. prefill: `--prefill-requests` prompts, one at a time, straight to the prefill server
+   with max_tokens 1. vLLM's own histograms give the engine's queue and prefill time;
+   the client's latency minus those is the front end's time (HTTP, tokenisation, the
+   engine's queues in and out).
+2. decode step: on the decode server, 1 and then `--max-num-seqs` local requests at once,
+   run to two output lengths; vLLM's engine-side decode time difference over the token
+   difference is one decode step at that batch, without the prefill steps at the start.
+3. pull's inline submission: `--hook-requests` handed-off requests through an in-process
+   proxy, one at a time; the decode worker's main-thread time in `start_load_kv` beyond
+   what that hook costs in a step with nothing to load, per request. Only this hook time
+   is kept, not the latency of those requests (that is what the simulator predicts).
+
+The servers are stopped after each setup. What the setup's connector runs in the
+background (NIXL's progress thread, spinning or paced) is running during all of it, so it
+shows in that setup's engine numbers. None of this uses a TTFT or TPOT of a handed-off
+request. The proxy's added latency and NIXL's bandwidth are not measured here: they come
+from `--proxy-added-ms` (default: what `kvpush proxy bench` measured on this machine) and
+`--link-gbps` / `--memory-gbps` (../shared/ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvpush.plan.machine import MachineProfile, PointProbe, SetupProbe
+from kvpush.plan.model import PlanError, read_hf_config
+from kvpush.plan.simulate import Mode
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from kvpush.testbed.topology import Topology
+
+Say = Callable[[str], None]
+
+# `kvpush proxy bench --streams 1 --seconds 2 --repeats 3` on this machine, 2026-11-29,
+# load average 13-16: through the proxy minus straight to the decode stub, p50 TTFT.
+PROXY_ADDED_MS = {"pull": 3.03, "push": 3.83}
+# ../shared/ENVIRONMENT.md: NIXL DRAM->DRAM WRITE 12-13 GB/s between two processes (READ
+# is faster, 16-17); one-process memcpy 19.8 GB/s.
+NIXL_DRAM_GBPS = 12.5
+MEMCPY_GBPS = 19.8
+
+
+@dataclass(slots=True)
+class MeasureSpec:
+    model: Path
+    setups: list[str]
+    input_lens: list[int]
+    out: Path
+    max_num_seqs: int = 8
+    output_lens: tuple[int, int] = (16, 80)
+    prefill_requests: int = 6
+    decode_rounds: int = 2
+    hook_requests: int = 6
+    port: int = 8000
+    proxy_port: int | None = None
+    kv_port: int = 5600
+    kv_cache_gib: float = 1.0
+    workdir: Path = Path(".kvpush")
+    startup_timeout: float = 300.0
+    request_timeout: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from kvpush.testbed.topology import SETUPS
+
+        unknown = [s for s in self.setups if s not in SETUPS]
+        if unknown or not self.setups:
+            raise PlanError(
+                f"--setups: unknown setup {', '.join(unknown) or '(none)'}; choose from "
+                f"{', '.join(SETUPS)}"
+            )
+        if not self.input_lens or any(n < 1 for n in self.input_lens):
+            raise PlanError("--input-lens: give one or more prompt lengths >= 1")
+        short, long = self.output_lens
+        if not 2 <= short < long:
+            raise PlanError("--output-lens: two lengths, the first >= 2 and below the second")
+        for name in ("max_num_seqs", "prefill_requests", "decode_rounds", "hook_requests"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def metric_delta(before: dict[Any, float], after: dict[Any, float], name: str) -> float:
+    from kvpush.testbed import scrape
+
+    return scrape.total(after, name) - scrape.total(before, name)
+
+
+def histogram_mean_ms(before: dict[Any, float], after: dict[Any, float], name: str) -> float:
+    """Mean of a Prometheus histogram's new observations between two scrapes, in ms."""
+    count = metric_delta(before, after, f"{name}_count")
+    if count <= 0:
+        raise PlanError(f"vLLM recorded no {name} during the probe; is this vLLM too old?")
+    return metric_delta(before, after, f"{name}_sum") / count * 1e3
+
+
+def hook_seconds(ledgers: dict[str, dict[str, Any]], hook: str) -> tuple[float, int]:
+    worker = ledgers.get("worker", {})
+    seconds = float(worker.get("seconds", {}).get(hook, 0.0))
+    return seconds, int(worker.get("calls", {}).get(hook, 0))
+
+
+def submit_beyond_idle(busy: tuple[float, int], idle: tuple[float, int], requests: int) -> float:
+    """ms per request of `start_load_kv` time beyond its cost in steps with nothing to load.
+
+    `busy` and `idle` are (seconds, calls) over the handoff probe and the local probes."""
+    seconds, calls = busy
+    idle_per_call = idle[0] / idle[1] if idle[1] else 0.0
+    return max(seconds - calls * idle_per_call, 0.0) / requests * 1e3
+
+
+class Prober:
+    """The probes of one setup, on its running topology."""
+
+    def __init__(self, spec: MeasureSpec, topology: Topology, say: Say) -> None:
+        self.spec, self.topology, self.say = spec, topology, say
+        self.model = str(spec.model)
+        self.prefill_url = topology.prefill[0].url
+        self.decode_url = topology.decode[0].url
+        from transformers import AutoTokenizer
+
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(spec.model))
+
+    def prompts(self, count: int, input_len: int, salt: int) -> list[str]:
+        """Prompts of exactly `input_len` tokens, made as `vllm bench serve --dataset-name
+        random` makes them (its own sampler), so the prompts' shape matches the sweep's."""
+        from vllm.benchmarks.datasets import RandomDataset
+
+        dataset = RandomDataset(random_seed=self.spec.seed + 1000 * salt + input_len)
+        samples = dataset.sample(
+            self.tokenizer, num_requests=count, input_len=input_len, output_len=2, range_ratio=0
+        )
+        return [str(sample.prompt) for sample in samples]
+
+    async def complete(
+        self, session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
+    ) -> float:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        started = time.perf_counter()
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise PlanError(f"probe request to {url} failed: HTTP {resp.status}: {text[:300]}")
+        return time.perf_counter() - started
+
+    def scrape(self, url: str) -> dict[Any, float]:
+        from kvpush.testbed import scrape
+
+        return scrape.scrape(url, timeout=10.0)
+
+    def hooks(self, server: str) -> dict[str, dict[str, Any]]:
+        from kvpush.bench.timed import read_ledgers
+        from kvpush.testbed.topology import hook_dir
+
+        time.sleep(1.2)  # ledgers are written every half second
+        return read_ledgers(hook_dir(self.topology.config, server))
+
+    async def prefill(self, session: aiohttp.ClientSession, input_len: int) -> tuple[float, float]:
+        """(engine prefill ms, front-end ms) of prompts sent one at a time."""
+        prompts = self.prompts(self.spec.prefill_requests + 1, input_len, salt=1)
+        await self.complete(session, self.prefill_url, prompts[0], 1)
+        before = self.scrape(self.prefill_url)
+        latencies = [
+            await self.complete(session, self.prefill_url, prompt, 1) for prompt in prompts[1:]
+        ]
+        after = self.scrape(self.prefill_url)
+        prefill = histogram_mean_ms(before, after, "vllm:request_prefill_time_seconds")
+        queue = histogram_mean_ms(before, after, "vllm:request_queue_time_seconds")
+        return prefill, statistics.fmean(latencies) * 1e3 - prefill - queue
+
+    async def decode_step(
+        self, session: aiohttp.ClientSession, input_len: int, batch: int
+    ) -> float:
+        """One decode step (ms) at `batch` running requests with prompts of `input_len`."""
+        short, long = self.spec.output_lens
+        per_request: dict[int, float] = {}
+        for salt, tokens in enumerate((short, long), start=2):
+            before = self.scrape(self.decode_url)
+            for round_ in range(self.spec.decode_rounds):
+                prompts = self.prompts(batch, input_len, salt=10 * salt + round_)
+                await asyncio.gather(
+                    *(self.complete(session, self.decode_url, p, tokens) for p in prompts)
+                )
+            after = self.scrape(self.decode_url)
+            per_request[tokens] = histogram_mean_ms(
+                before, after, "vllm:request_decode_time_seconds"
+            )
+        return (per_request[long] - per_request[short]) / (long - short)
+
+    async def submissions(
+        self, session: aiohttp.ClientSession, proxy_url: str, input_len: int
+    ) -> tuple[float, int]:
+        """Decode worker's `start_load_kv` (seconds, calls) over handed-off requests."""
+        prompts = self.prompts(self.spec.hook_requests, input_len, salt=50)
+        before = hook_seconds(self.hooks("decode-0"), "start_load_kv")
+        for prompt in prompts:
+            await self.complete(session, proxy_url, prompt, 2)
+        after = hook_seconds(self.hooks("decode-0"), "start_load_kv")
+        return after[0] - before[0], after[1] - before[1]
+
+    async def run(self, setup: str) -> SetupProbe:
+        import aiohttp
+
+        from kvpush.proxy.server import ProxyConfig, start_proxy
+        from kvpush.testbed.topology import SETUPS
+        from kvpush.testbed.up import warm_up
+
+        spec, say = self.spec, self.say
+        mode: Mode = "pull" if SETUPS[setup].proxy_mode == "pull" else "push"
+        timeout = aiohttp.ClientTimeout(total=spec.request_timeout)
+        prefill: dict[int, tuple[float, float]] = {}
+        steps: dict[int, dict[int, float]] = {}
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for url in (self.prefill_url, self.decode_url):
+                await self.complete(session, url, "warm up", 4)
+            idle_before = hook_seconds(self.hooks("decode-0"), "start_load_kv")
+            for n in spec.input_lens:
+                prefill[n] = await self.prefill(session, n)
+                say(
+                    f"  [{setup}] {n} tokens: prefill {prefill[n][0]:.2f} ms in the engine, "
+                    f"front end {prefill[n][1]:.2f} ms"
+                )
+                steps[n] = {}
+                for batch in sorted({1, spec.max_num_seqs}):
+                    steps[n][batch] = await self.decode_step(session, n, batch)
+                    say(
+                        f"  [{setup}] {n} tokens: decode step {steps[n][batch]:.2f} ms at "
+                        f"batch {batch}"
+                    )
+            idle_after = hook_seconds(self.hooks("decode-0"), "start_load_kv")
+            idle = (idle_after[0] - idle_before[0], idle_after[1] - idle_before[1])
+            prefill_backends, decode_backends = self.topology.proxy_backends()
+            port = spec.proxy_port or spec.port
+            config = ProxyConfig(
+                mode=mode,
+                prefill=prefill_backends,
+                decode=decode_backends,
+                request_timeout=spec.request_timeout,
+            )
+            runner = await start_proxy(config, "127.0.0.1", port)
+            submits: dict[int, float] = {}
+            hook_totals: dict[str, Any] = {"idle_start_load_kv": idle}
+            try:
+                proxy_url = f"http://127.0.0.1:{port}"
+                error = await warm_up(proxy_url, self.model)
+                if error:
+                    raise PlanError(f"{setup}: a handoff through the proxy failed: {error}")
+                for n in spec.input_lens:
+                    busy = await self.submissions(session, proxy_url, n)
+                    submits[n] = submit_beyond_idle(busy, idle, spec.hook_requests)
+                    hook_totals[f"handoff_start_load_kv_{n}"] = busy
+                    say(
+                        f"  [{setup}] {n} tokens: start_load_kv {submits[n]:.3f} ms per "
+                        "handed-off request beyond idle"
+                    )
+            finally:
+                await runner.cleanup()
+        points = tuple(
+            PointProbe(n, prefill[n][0], prefill[n][1], steps[n], submits[n])
+            for n in spec.input_lens
+        )
+        return SetupProbe(setup, mode, points, {"hook_totals": hook_totals})
+
+
+def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
+    from kvpush.testbed.topology import StartupError, StartupProgress, Topology, TopologyConfig
+
+    config = TopologyConfig(
+        model=spec.model,
+        setup=setup,
+        port=spec.port,
+        kv_port=spec.kv_port,
+        eager=True,
+        max_num_seqs=spec.max_num_seqs,
+        kv_cache_gib=spec.kv_cache_gib,
+        workdir=spec.workdir / "plan-measure" / setup,
+        timed_hooks=True,
+        extra_env={"VLLM_CACHE_ROOT": str((spec.workdir / "vllm-cache").resolve())},
+    )
+    topology = Topology(config)
+    say(f"\n== {setup}: starting 1 prefill + 1 decode, logs in {config.workdir / 'logs'}")
+    try:
+        topology.start()
+        took = topology.wait_healthy(spec.startup_timeout, StartupProgress(f"[{setup}] "))
+        say(f"  [{setup}] servers healthy after {took:.0f} s")
+        return asyncio.run(Prober(spec, topology, say).run(setup))
+    except StartupError as exc:
+        raise PlanError(f"{setup}: servers did not start: {str(exc).splitlines()[0]}") from None
+    finally:
+        topology.stop()
+        say(f"  [{setup}] servers stopped")
+
+
+def measure(
+    spec: MeasureSpec,
+    proxy_added_ms: dict[str, float],
+    link_gbps: float,
+    memory_gbps: float,
+    command: Sequence[str],
+    say: Say = print,
+) -> MachineProfile:
+    kv_bytes = read_hf_config(spec.model).shape.kv_bytes_per_token
+    load_before = os.getloadavg()
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    setups = {setup: measure_setup(spec, setup, say) for setup in spec.setups}
+    return MachineProfile(
+        kv_bytes_per_token=kv_bytes,
+        max_num_seqs=spec.max_num_seqs,
+        link_gbps=link_gbps,
+        memory_gbps=memory_gbps,
+        proxy_added_ms=dict(proxy_added_ms),
+        setups=setups,
+        provenance={
+            "command": " ".join(command),
+            "measured_at": started,
+            "load_average_before": [round(v, 2) for v in load_before],
+            "load_average_after": [round(v, 2) for v in os.getloadavg()],
+            "cores": len(os.sched_getaffinity(0)),
+            "model": str(spec.model),
+            "proxy_added_ms": "kvpush proxy bench --streams 1 (p50 added TTFT), unless "
+            "--proxy-added-ms was given",
+            "link_gbps": "NIXL DRAM->DRAM WRITE, ../shared/ENVIRONMENT.md",
+            "memory_gbps": "one-process memcpy, ../shared/ENVIRONMENT.md",
+        },
+    )
