@@ -391,13 +391,16 @@ class ControlClient:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def peer_closed(self) -> bool:
-        """True if the connection this client had was closed by the peer (it exited or
-        restarted since); False if it is open, was never made, or is busy right now."""
+    def alive(self, connection: int) -> bool:
+        """Whether connection number `connection` (see `.connection`) is still open: False
+        once the peer closed it (it exited or restarted) or this client dropped or replaced
+        it. A client busy with a request right now is taken to be alive."""
         if not self._lock.acquire(blocking=False):
-            return False
+            return True
         try:
-            return self._sock is not None and self._closed_by_peer(self._sock)
+            if self._sock is None or self.connection != connection:
+                return False
+            return not self._closed_by_peer(self._sock)
         finally:
             self._lock.release()
 

@@ -14,9 +14,9 @@
   that went away (it handshakes again on the next transfer, e.g. after a restart).
 
 A restarted peer keeps its address but has a new NIXL agent; transfers to the old agent
-would fail or, worse, address a dead process. Its control connection tells: the old one
-was closed when the process exited, so a peer whose connection the peer closed is
-forgotten before the next transfer and handshaken again.
+would fail or, worse, address a dead process. Its control connection tells: the one the
+handshake went over closed when the process exited, so a peer whose handshake connection
+is gone is forgotten before the next transfer and handshaken again.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Peer(Generic[J]):
     port: int
     client: ControlClient
     hello: Hello | None = None
+    connection: int = 0  # the client's connection the handshake went over
     agent: str = ""
     error: str = ""
     error_kind: str = ""
@@ -95,10 +96,10 @@ class Peers(Generic[J]):
         """The peer at host:port; a fresh one (handshake pending) if it restarted."""
         key = (host, port)
         peer = self.peers.get(key)
-        if peer is not None and peer.hello is not None and peer.client.peer_closed():
+        if peer is not None and peer.hello is not None and not peer.client.alive(peer.connection):
             log.warning(
-                "%s %s closed its control connection (exited or restarted); the next "
-                "transfer handshakes again",
+                "%s %s: the control connection of our handshake is gone (it exited or "
+                "restarted); the next transfer handshakes again",
                 self.peer_role,
                 peer,
             )
@@ -181,6 +182,7 @@ class Peers(Generic[J]):
                     agent, block_pieces(local), block_pieces(remote.layout)
                 )
             peer.agent, peer.same_shape, peer.hello = agent, same, remote
+            peer.connection = peer.client.connection
         except Exception as exc:  # any failure here fails this peer's transfers, clearly
             peer.error_kind = peer.error_kind or "handshake_failed"
             peer.error = f"handshake with {self.peer_role} {peer} failed: {exc}"

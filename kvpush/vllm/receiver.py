@@ -260,7 +260,8 @@ class Receiver(PeerLoop[_Read]):
             self.peers.notify(item.prefill_host, item.prefill_port + rank, msg)
 
     def _watch(self, now: float) -> None:
-        """Fail transfers whose prefill rank closed the connection that carried them."""
+        """Fail transfers whose prefill rank closed the connection that carried them (a
+        connection replaced since was lost too: the prefill that got them may be gone)."""
         closed: dict[tuple[str, int, int], bool] = {}
         for expecting in list(self.expecting.values()):
             spec = expecting.spec
@@ -270,11 +271,7 @@ class Receiver(PeerLoop[_Read]):
                 key = (spec.prefill_host, spec.prefill_port + rank, connection)
                 if key not in closed:
                     peer = self.peers.peers.get(key[:2])
-                    closed[key] = (
-                        peer is not None
-                        and peer.client.connection == connection
-                        and peer.client.peer_closed()
-                    )
+                    closed[key] = peer is not None and not peer.client.alive(connection)
                 if closed[key]:
                     why = (
                         f"prefill rank {rank} at {key[0]}:{key[1]} closed its control "

@@ -308,7 +308,7 @@ def test_push_abort_during_a_write_waits_for_the_write_to_end(pair_factory: obje
     pair.start("t1-fault-delay_write")
     writer = pair.prefill.worker.writer
     assert writer is not None
-    pair.run_until(lambda: writer.rendezvous.writes_in_flight == 1)
+    pair.run_until(lambda: len(writer.inflight) == 1)  # the WRITE is posted
     pair.decode.step(KvpushMetadata(aborted=[AbortSpec("t1-fault-delay_write", "d1")]))
     took = pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert 0.7 < took < 3.0, "reported only once the write in flight ended"
@@ -405,14 +405,18 @@ def test_push_decode_restarted_on_the_same_address_is_handshaken_again(
     pair_factory: object,
 ) -> None:
     """Prefill notices that decode's control connection closed and handshakes with the new
-    process before writing, so the first transfer after the restart already succeeds."""
+    process before writing, so the first transfer after the restart already succeeds. Here
+    decode goes away in the middle of a WRITE, whose WriteDone then finds nobody."""
     assert callable(pair_factory)
-    pair: Pair = pair_factory("push", "push")
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
-    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    pair: Pair = pair_factory("push", "push", faults="delay_write=0.5")
+    pair.start("t1-fault-delay_write")
+    writer = pair.prefill.worker.writer
+    assert writer is not None
+    pair.run_until(lambda: len(writer.inflight) == 1)  # the WRITE is posted
     port = pair.decode.worker.port
     pair.decode.worker.shutdown()
+    pair.run_until(lambda: pair.prefill.sending)
+    assert pair.prefill.worker.stats_data()["failures"] == {"peer_gone": 1}
     pair.decode = start_side("decode", "push", 4, None, port=port)
     pair.prefill.sending.clear()
     pair.start("t2")

@@ -232,19 +232,25 @@ def test_a_peer_that_never_greets_fails_the_connect_within_the_timeout() -> None
         assert time.monotonic() - started < 2.0
 
 
-def test_peer_closed_tells_a_restarted_peer(recorder: Recorder) -> None:
+def test_alive_tells_whether_a_connection_still_stands(recorder: Recorder) -> None:
     server = ControlServer("127.0.0.1", 0, recorder)
     server.start()
     client = ControlClient("127.0.0.1", server.port, timeout=2.0)
-    assert not client.peer_closed(), "no connection yet"
+    assert client.connection == 0 and not client.alive(0), "no connection yet"
     client.request(LeaseRenew("t-1", 0))
-    assert not client.peer_closed()
-    server.stop()
+    first = client.connection
+    assert client.alive(first)
+    server.stop()  # as when the peer exits
     deadline = time.monotonic() + 2.0
-    while not client.peer_closed():
+    while client.alive(first):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    client.close()
+    with ControlServer("127.0.0.1", server.port, recorder):  # restarted
+        client.request(LeaseRenew("t-2", 0))
+        assert client.connection == first + 1
+        assert client.alive(first + 1) and not client.alive(first)
+        client.close()
+        assert not client.alive(first + 1)
 
 
 def test_handler_failure_closes_the_connection_not_the_server(
