@@ -1,0 +1,393 @@
+"""Failure scenarios with real servers: every request completes or fails within a bound,
+nothing leaks, nothing is written uninvited, forged or replayed messages are refused.
+
+One kvpush push deployment (prefill, decode, `kvpush proxy`) serves every scenario; the
+faults are injected per request by the connector's test hooks (KVPUSH_FAULTS, picked by
+the X-Request-Id the proxy turns into the transfer id) or by signals to whole servers.
+Scenarios that restart a server come last. After each: the next request succeeds and
+both servers' KV usage returns to zero. Each prints one summary line (run with -s):
+
+    FAULT <scenario>: failing request <outcome> after <s>; next request ok in <s>; KV idle ...
+
+Timeouts are short here (transfer 4 s, fence 2 s, lease 6 s; the proxy's request timeout
+12 s) so that the whole module takes a few minutes, most of it server start-ups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import http.client
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.core.protocol import GREETING_SIZE, NONCE_SIZE, LeaseRenew, Seal, greeting
+from kvpush.dataplane.control import frame
+from kvpush.proxy.rewrite import format_backend
+from kvpush.testbed import scrape
+from kvpush.testbed.topology import ServerSpec, Topology, TopologyConfig, http_ok, port_in_use
+from tests.e2e.conftest import BASE_PORT, KV_PORT, PROMPTS, completion
+
+pytestmark = pytest.mark.e2e
+
+PORT, KV = BASE_PORT + 50, KV_PORT + 50  # clear of the other modules' deployments
+SECRET = "kvpush-e2e-faults-secret"
+TRANSFER_TIMEOUT_S, FENCE_S, LEASE_S = 4.0, 2.0, 6.0
+REQUEST_TIMEOUT_S = 12.0
+HOLD_S = 3.0  # how long the hold_* and delay_write hooks hold a request
+FAULTS = f"hold_decode={HOLD_S},hold_prefill={HOLD_S},delay_write={HOLD_S}"
+FAULTS += ",drop_registration,nixl_error"
+PROMPT = PROMPTS[1]
+SUMMARY: list[str] = []
+
+
+@dataclass
+class Deployment:
+    topology: Topology
+    proxy: str
+    model: Path
+
+    @property
+    def prefill(self) -> ServerSpec:
+        return self.topology.prefill[0]
+
+    @property
+    def decode(self) -> ServerSpec:
+        return self.topology.decode[0]
+
+
+def with_connector_settings(topology: Topology, settings: dict[str, Any]) -> None:
+    """Add `settings` to every server's kv_connector_extra_config."""
+    for spec in topology.specs:
+        i = spec.argv.index("--kv-transfer-config") + 1
+        transfer = json.loads(spec.argv[i])
+        transfer.setdefault("kv_connector_extra_config", {}).update(settings)
+        spec.argv[i] = json.dumps(transfer)
+
+
+@contextlib.contextmanager
+def kvpush_proxy(topology: Topology, port: int) -> Iterator[str]:
+    """`kvpush proxy` in front of the pair. No retries, so each failure reaches the
+    client; frozen backends are not ejected within a test (the connector's bounds are
+    what is measured), refused connections are, and one passing check brings them back."""
+    prefill, decode = topology.prefill[0], topology.decode[0]
+    cmd = [sys.executable, "-m", "kvpush.cli", "proxy", "--mode", "push"]
+    cmd += ["--prefill", format_backend(prefill.backend()), "--decode", decode.url]
+    cmd += ["--port", str(port), "--request-timeout", str(REQUEST_TIMEOUT_S), "--retries", "0"]
+    cmd += ["--health-interval", "0.5", "--eject-after", "100", "--return-after", "1"]
+    log = open(topology.config.workdir / "logs" / "proxy.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not http_ok(url + "/health"):
+            assert proc.poll() is None, f"kvpush proxy exited with code {proc.returncode}"
+            assert time.monotonic() < deadline, "kvpush proxy did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def push(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    config = TopologyConfig(
+        model=tiny_model,
+        setup="kvpush-push",
+        port=PORT,
+        kv_port=KV,
+        eager=True,
+        workdir=tmp_path_factory.mktemp("faults"),
+        extra_env={"KVPUSH_FAULTS": FAULTS, "KVPUSH_SECRET": SECRET},
+    )
+    settings = {
+        "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+        "fence_s": FENCE_S,
+        "lease_s": LEASE_S,
+    }
+    with Topology(config) as topology:
+        with_connector_settings(topology, settings)
+        topology.start()
+        topology.wait_healthy(timeout=400)
+        with kvpush_proxy(topology, PORT) as proxy:
+            deployment = Deployment(topology, proxy, tiny_model)
+            ask(deployment, "warm-up")
+            yield deployment
+    for line in SUMMARY:
+        print(line)
+
+
+# -- requests -----------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    status: int
+    body: str
+    seconds: float
+
+
+def ask(d: Deployment, request_id: str, timeout: float = 60.0) -> Answer:
+    """One completion through the proxy with this X-Request-Id."""
+    request = urllib.request.Request(
+        d.proxy + "/v1/completions",
+        data=json.dumps(completion(d.model, PROMPT)).encode(),
+        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+    )
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            status, body = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read().decode()
+    return Answer(status, body, time.monotonic() - started)
+
+
+def ask_and_leave(d: Deployment, request_id: str, after: float) -> None:
+    """Send a completion through the proxy and close the connection `after` seconds later,
+    as a client that gives up does."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(d.proxy.rsplit(":", 1)[1]), timeout=30)
+    body = json.dumps(completion(d.model, PROMPT))
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    conn.request("POST", "/v1/completions", body=body, headers=headers)
+    time.sleep(after)
+    assert conn.sock is not None
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+def kv_usage(spec: ServerSpec) -> float:
+    return scrape.total(scrape.scrape(spec.url), "vllm:kv_cache_usage_perc")
+
+
+def idle_after(d: Deployment, timeout: float = 20.0) -> float:
+    """Seconds until both servers' KV usage is back to zero (fails after `timeout`)."""
+    started = time.monotonic()
+    while True:
+        usage = {s.name: kv_usage(s) for s in (d.prefill, d.decode)}
+        if not any(usage.values()):
+            return time.monotonic() - started
+        assert time.monotonic() - started < timeout, f"KV blocks leaked: usage {usage}"
+        time.sleep(0.2)
+
+
+def failures(spec: ServerSpec, kind: str) -> float:
+    return scrape.total(scrape.scrape(spec.url), "kvpush:failures_total", kind=kind)
+
+
+def proxy_healthy(d: Deployment, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not http_ok(d.proxy + "/health"):
+        assert time.monotonic() < deadline, "the proxy did not take the backends back"
+        time.sleep(0.2)
+
+
+def recovered(d: Deployment, scenario: str, failing: str) -> None:
+    """The next request succeeds and nothing leaked; record the scenario's summary line."""
+    proxy_healthy(d)
+    nxt = ask(d, f"{scenario}-next")
+    assert nxt.status == 200, f"{scenario}: the next request failed: {nxt.body}"
+    idle = idle_after(d)
+    line = (
+        f"FAULT {scenario}: failing request {failing}; next request ok in {nxt.seconds:.2f} s;"
+        f" KV usage prefill {kv_usage(d.prefill):g} decode {kv_usage(d.decode):g} "
+        f"(idle {idle:.1f} s after it)"
+    )
+    SUMMARY.append(line)
+    print(line)
+
+
+def failed(answer: Answer) -> str:
+    return f"HTTP {answer.status} after {answer.seconds:.2f} s ({answer.body[:160]})"
+
+
+def wait_for(what: str, check: Any, timeout: float) -> float:
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout, f"not within {timeout:g} s: {what}"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+# -- servers ------------------------------------------------------------------------------
+
+
+def signal_server(d: Deployment, spec: ServerSpec, sig: int) -> None:
+    os.killpg(d.topology.procs[spec.name].pid, sig)
+
+
+def restart(d: Deployment, spec: ServerSpec) -> float:
+    """Kill `spec`'s server (if still running) and start it again with the same engine id,
+    ports and settings; returns the seconds until it is healthy."""
+    proc = d.topology.procs[spec.name]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_for("ports freed", lambda: not port_in_use(spec.port), 30)
+    again = Topology(d.topology.config)
+    again.specs = [dataclasses.replace(spec, log_path=spec.log_path.with_suffix(".restart.log"))]
+    started = time.monotonic()
+    again.start()
+    d.topology.procs[spec.name] = again.procs[spec.name]
+    again.procs.clear()
+    d.topology.wait_healthy(timeout=400)
+    return time.monotonic() - started
+
+
+# -- scenarios ----------------------------------------------------------------------------
+
+
+def test_forged_replayed_and_oversized_control_messages_are_refused_and_counted(
+    push: Deployment,
+) -> None:
+    kv = ("127.0.0.1", push.prefill.kv_port)
+    msg = LeaseRenew("forged", 0)
+
+    def session(send: bytes, our_greeting: bytes = greeting(b"a" * NONCE_SIZE)) -> bytes:
+        with socket.create_connection(kv, timeout=5) as sock:
+            server_greeting = b""
+            while len(server_greeting) < GREETING_SIZE:
+                server_greeting += sock.recv(GREETING_SIZE - len(server_greeting))
+            sock.sendall(our_greeting + send)
+            received = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(4096):
+                    received += chunk
+            return received
+
+    stranger = Seal(b"x" * NONCE_SIZE, 0)  # a frame recorded on another connection
+    attacks = {
+        "garbage": struct.pack(">I", 5) + b"hello",
+        "unauthenticated": frame(msg),
+        "wrong secret": frame(msg, b"not the secret", stranger),
+        "replayed": frame(msg, SECRET.encode(), stranger),
+        "oversized": struct.pack(">I", 64 << 20) + b"x" * 1024,
+    }
+    before = scrape.scrape(push.prefill.url)
+    started = time.monotonic()
+    for name, data in attacks.items():
+        assert session(data) == b"", f"{name}: the server answered instead of closing"
+    took = time.monotonic() - started
+    assert session(b"", our_greeting=b"SSH-2.0-OpenSSH_9.6\r\n") == b""
+    # the server keeps serving, and counts each refusal by kind (stats reach /metrics with
+    # the next engine steps)
+    recovered(push, "control-attacks", f"5 attacks + 1 bad greeting refused in {took:.2f} s")
+    after = scrape.scrape(push.prefill.url)
+
+    def counted(kind: str) -> float:
+        name = "kvpush:rejected_messages_total"
+        return scrape.total(after, name, kind=kind) - scrape.total(before, name, kind=kind)
+
+    assert counted("bad_mac") == 2 and counted("replayed") == 1
+    assert counted("too_large") == 1 and counted("bad_magic") == 2
+
+
+def test_a_transfer_error_reported_by_nixl_fails_the_request_at_once(push: Deployment) -> None:
+    before = failures(push.prefill, "write_failed")
+    answer = ask(push, "s1-fault-nixl_error")
+    assert answer.status == 502 and "decode backend" in answer.body, answer.body
+    assert answer.seconds < 2.0, failed(answer)
+    assert failures(push.prefill, "write_failed") == before + 1
+    assert failures(push.decode, "prefill_failed") >= 1
+    recovered(push, "nixl-error", failed(answer))
+
+
+def test_a_lost_registration_fails_at_the_transfer_timeout(push: Deployment) -> None:
+    answer = ask(push, "s2-fault-drop_registration")
+    assert answer.status == 502, answer.body
+    assert TRANSFER_TIMEOUT_S - 0.5 < answer.seconds < TRANSFER_TIMEOUT_S + 3, failed(answer)
+    assert failures(push.decode, "transfer_timeout") >= 1
+    recovered(push, "registration-lost", failed(answer))
+
+
+@pytest.mark.parametrize(
+    ("moment", "fault"),
+    [
+        ("before-registration", "hold_decode"),  # decode has not even allocated blocks
+        ("after-registration", "hold_prefill"),  # registered; prefill's KV not handed over
+        ("during-write", "delay_write"),  # the WRITE into decode's blocks is in flight
+    ],
+)
+def test_a_client_that_disconnects_leaks_nothing(push: Deployment, moment: str, fault: str) -> None:
+    ask_and_leave(push, f"s3-{moment}-fault-{fault}", after=1.0)
+    if moment == "during-write":
+        # the fence: decode keeps the blocks until the WRITE in flight ended (HOLD_S after
+        # it was posted), although its request ended a second after it started
+        assert kv_usage(push.decode) > 0, "decode freed blocks a WRITE was still landing in"
+    idle = idle_after(push)
+    if moment != "during-write":
+        assert idle < LEASE_S - 1.0, "freed by the cancel, not by prefill's lease end"
+    recovered(push, f"disconnect-{moment}", f"(client left after 1 s) idle {idle + 1:.1f} s")
+
+
+def test_a_frozen_prefill_fails_the_request_within_timeout_and_fence(push: Deployment) -> None:
+    fenced_before = failures(push.decode, "fence_timeout")
+    signal_server(push, push.prefill, signal.SIGSTOP)
+    try:
+        answer = ask(push, "s4-prefill-frozen")
+    finally:
+        signal_server(push, push.prefill, signal.SIGCONT)
+    assert answer.status == 502 and "decode backend" in answer.body, answer.body
+    bound = TRANSFER_TIMEOUT_S + FENCE_S
+    assert bound - 0.5 < answer.seconds < bound + 3, failed(answer)
+    assert failures(push.decode, "fence_timeout") == fenced_before + 1
+    recovered(push, "prefill-frozen", failed(answer))
+
+
+def test_a_frozen_decode_fails_the_request_at_the_proxy_timeout(push: Deployment) -> None:
+    signal_server(push, push.decode, signal.SIGSTOP)
+    try:
+        answer = ask(push, "s5-decode-frozen")
+        # prefill does not keep the KV it computed for the frozen decode past its lease
+        freed = wait_for("prefill freed its blocks", lambda: kv_usage(push.prefill) == 0, 20)
+    finally:
+        signal_server(push, push.decode, signal.SIGCONT)
+    assert answer.status == 504, answer.body
+    assert REQUEST_TIMEOUT_S - 0.5 < answer.seconds < REQUEST_TIMEOUT_S + 3, failed(answer)
+    recovered(push, "decode-frozen", f"{failed(answer)}; prefill idle after {freed:.1f} s more")
+
+
+def test_decode_killed_mid_transfer_and_restarted_with_the_same_engine_id(
+    push: Deployment,
+) -> None:
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(ask, push, "s6-fault-delay_write")
+        time.sleep(1.0)  # prefill posted the WRITE and holds it for HOLD_S
+        signal_server(push, push.decode, signal.SIGKILL)
+        answer = pending.result(timeout=60)
+    assert answer.status == 502, answer.body
+    assert answer.seconds < 3.0, failed(answer)
+    wait_for("prefill freed its blocks", lambda: kv_usage(push.prefill) == 0, 20)
+    took = restart(push, push.decode)
+    recovered(push, "decode-killed-and-restarted", f"{failed(answer)}; restart {took:.0f} s")
+
+
+def test_prefill_killed_mid_transfer_and_restarted(push: Deployment) -> None:
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(ask, push, "s7-fault-delay_write")
+        time.sleep(1.0)  # prefill posted the WRITE and holds it for HOLD_S
+        signal_server(push, push.prefill, signal.SIGKILL)
+        answer = pending.result(timeout=60)
+    assert answer.status == 502, answer.body
+    assert answer.seconds < 1.0 + 2.0, f"decode noticed prefill was gone: {failed(answer)}"
+    assert failures(push.decode, "peer_gone") >= 1
+    wait_for("decode freed its blocks", lambda: kv_usage(push.decode) == 0, 20)
+    took = restart(push, push.prefill)
+    recovered(push, "prefill-killed-and-restarted", f"{failed(answer)}; restart {took:.0f} s")
