@@ -246,7 +246,7 @@ def show(directory: Path, png: Path) -> int:
         print(f"kvpush bench plot: no sweep results in {directory}", file=sys.stderr)
         return 1
     print(plot.table(rows))
-    plot.draw(rows, png, title=f"kvpush bench sweep: {directory}")
+    plot.draw(rows, png, title=f"kvpush bench sweep {directory.resolve().name}")
     print(f"\nfigure: {png}")
     return 0
 

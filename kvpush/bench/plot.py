@@ -43,9 +43,15 @@ def best(rows: Sequence[Aggregate], metric: str, nospin: bool) -> tuple[float | 
     return (min(partial), True) if partial else (None, False)
 
 
+# Below this a p50 (ms) is no measurement of the setup but of the client: the stream's
+# chunks reached it together (a starved proxy or client coalesces them), and a ratio
+# against it would be meaningless.
+MIN_REFERENCE_MS = 0.1
+
+
 def ratio(value: float | None, reference: tuple[float | None, bool]) -> str:
     ref, partial = reference
-    if value is None or ref is None or ref <= 0:
+    if value is None or ref is None or ref < MIN_REFERENCE_MS:
         return "-"
     return f"{value / ref:.2f}x" + ("*" if partial else "")
 
@@ -103,6 +109,11 @@ def table(rows: Sequence[Aggregate]) -> str:
     ]
     if with_nospin:
         notes.append("X/nospin: the same against the best vllm-*-nospin setup")
+    if any(r.tpot_p50 is not None and r.tpot_p50 < MIN_REFERENCE_MS for r in rows):
+        notes.append(
+            f"a TPOT p50 under {MIN_REFERENCE_MS} ms means the tokens reached the client "
+            "together (chunks coalesced on a busy machine): no ratio is taken against it"
+        )
     if any(r.partial for r in rows):
         notes.append(
             "*: no run was ok there; the numbers are of the requests that finished before "
@@ -136,7 +147,12 @@ def draw(rows: Sequence[Aggregate], path: Path, title: str = "") -> Path:
                 )
                 colour = colours(s_index % 10)
                 style = ":" if setup.endswith("-nospin") else "-"
-                good = [r for r in mine if r.status == "ok" or r.partial]
+                good = [
+                    r
+                    for r in mine
+                    if (r.status == "ok" or r.partial)
+                    and (getattr(r, f"{metric}_p50") or 0) >= MIN_REFERENCE_MS
+                ]
                 ax.plot(
                     [r.rate for r in good],
                     [getattr(r, f"{metric}_p50") for r in good],

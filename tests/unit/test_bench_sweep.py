@@ -260,3 +260,14 @@ def test_a_setup_that_never_ran_clean_shows_what_did_finish_flagged(tmp_path: Pa
     ours_line = next(x for x in text.splitlines() if "kvpush-push" in x)
     assert "0.10x*" in ours_line  # against a reference that is itself partial
     assert "understate" in text
+
+
+def test_no_ratio_against_a_coalesced_stream(tmp_path: Path) -> None:
+    theirs = Point(1, "vllm-pull", 256, 4.0, 32)
+    results.write_result(theirs.path(tmp_path), record(theirs, ttft=500.0, tpot=0.0))
+    ours = Point(1, "kvpush-push", 256, 4.0, 32)
+    results.write_result(ours.path(tmp_path), record(ours, ttft=50.0, tpot=2.0))
+    text = plot.table(results.aggregate(results.load_results(tmp_path)))
+    line = next(x for x in text.splitlines() if "kvpush-push" in x).split()
+    assert line[-2:] == ["0.10x", "-"]
+    assert "chunks coalesced" in text
