@@ -280,6 +280,12 @@ def register(subparsers: Any) -> None:
         "--hop-ms", type=float, default=1.0, help="one proxy HTTP hop (default: 1.0, assumed)"
     )
     dec.add_argument(
+        "--transfer-setup-ms",
+        type=float,
+        default=0.0,
+        help="per transfer besides its bytes: posting, completion (default: 0)",
+    )
+    dec.add_argument(
         "--api-fixed-ms",
         type=float,
         default=0.0,
@@ -448,6 +454,7 @@ def sim_params(args: argparse.Namespace) -> SimParams:
         prefill_concurrency=args.prefill_concurrency,
         tp=args.tp,
         link_gbps=args.link_gbps,
+        transfer_setup_ms=args.transfer_setup_ms,
         hbm_tbps=args.hbm_tbps,
         max_num_seqs=args.max_num_seqs,
         output_len=args.output_len,
@@ -533,26 +540,31 @@ def save_figure(plt: Any, fig: Any, path: str) -> None:
 
 
 def plot_results(results: Sequence[RunResult], path: str) -> None:
-    """TTFT (top) and TPOT (bottom) mean vs rate; one column per input length."""
+    """TTFT (top) and TPOT (bottom) vs rate, as `kvpush bench plot` draws a sweep: p50
+    solid, p99 dashed, one column per input length, one colour per mode."""
     plt = pyplot()
     lens = sorted({r.input_len for r in results})
     modes = [mode for mode in MODES if any(r.mode == mode for r in results)]
     fig, axes = plt.subplots(2, len(lens), figsize=(4.5 * len(lens), 7), squeeze=False)
+    colours = plt.get_cmap("tab10")
     for col, input_len in enumerate(lens):
-        for mode in modes:
+        for index, mode in enumerate(modes):
             runs = sorted(
                 (r for r in results if r.input_len == input_len and r.mode == mode),
                 key=lambda r: r.rate,
             )
             rates = [r.rate for r in runs]
-            axes[0][col].plot(rates, [r.ttft_ms.mean for r in runs], marker="o", label=mode)
-            axes[1][col].plot(rates, [r.tpot_ms.mean for r in runs], marker="o", label=mode)
-        ttfts = [r.ttft_ms.mean for r in results if r.input_len == input_len]
+            for row, stats in enumerate(([r.ttft_ms for r in runs], [r.tpot_ms for r in runs])):
+                ax = axes[row][col]
+                ax.plot(rates, [s.p50 for s in stats], "-o", color=colours(index), label=mode)
+                ax.plot(rates, [s.p99 for s in stats], "--", color=colours(index), alpha=0.5)
+        ttfts = [r.ttft_ms.p99 for r in results if r.input_len == input_len]
+        ttfts += [r.ttft_ms.p50 for r in results if r.input_len == input_len]
         if max(ttfts) > 50 * min(ttfts):
             axes[0][col].set_yscale("log")
         axes[0][col].set_title(f"input {input_len:,} tokens")
-        axes[0][col].set_ylabel("mean TTFT (ms)")
-        axes[1][col].set_ylabel("mean TPOT (ms)")
+        axes[0][col].set_ylabel("TTFT (ms): p50 solid, p99 dashed")
+        axes[1][col].set_ylabel("TPOT (ms): p50 solid, p99 dashed")
         for row in (0, 1):
             axes[row][col].set_xlabel("request rate (req/s)")
             axes[row][col].grid(True, alpha=0.3)

@@ -48,6 +48,10 @@ SCHEMA = "kvpush.plan.profile/1"
 HOPS: dict[Mode, int] = {"pull": 3, "push": 1}
 
 
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 @dataclass(frozen=True, slots=True)
 class PointProbe:
     """One setup's measurements at one prompt length (times in ms)."""
@@ -61,6 +65,8 @@ class PointProbe:
     """Decode step time at each batch size, on the decode server, prompts this long."""
     submit_ms: float | None = None
     """Decode's main-thread `start_load_kv` time per handed-off request, beyond idle."""
+    transfer_ms: float | None = None
+    """Mean time of one transfer by the connector's own metrics (kvpush's only)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +75,7 @@ class PointProbe:
             "front_end_ms": self.front_end_ms,
             "step_ms": {str(batch): ms for batch, ms in sorted(self.step_ms.items())},
             "submit_ms": self.submit_ms,
+            "transfer_ms": self.transfer_ms,
         }
 
     @classmethod
@@ -78,7 +85,8 @@ class PointProbe:
             prefill_ms=float(data["prefill_ms"]),
             front_end_ms=float(data["front_end_ms"]),
             step_ms={int(batch): float(ms) for batch, ms in data["step_ms"].items()},
-            submit_ms=None if data.get("submit_ms") is None else float(data["submit_ms"]),
+            submit_ms=_optional(data.get("submit_ms")),
+            transfer_ms=_optional(data.get("transfer_ms")),
         )
 
 
@@ -242,6 +250,7 @@ class Derived:
     front_end: Line
     step: StepFit
     submit_us_per_token: float
+    transfer_setup_ms: float
     hop_ms: float
 
 
@@ -268,10 +277,18 @@ def derive(profile: MachineProfile, setup: str) -> Derived:
     submit = (
         sum(n * ms for n, ms in submits) / sum(n * n for n, _ in submits) * 1e3 if submits else 0
     )
+    # a transfer's time beyond moving its bytes at the link's speed, where the connector
+    # measures its transfers (kvpush); none is known for vLLM's
+    setups = [
+        p.transfer_ms - p.input_len * profile.kv_bytes_per_token / (profile.link_gbps * 1e6)
+        for p in points
+        if p.transfer_ms is not None
+    ]
+    setup_ms = max(statistics.fmean(setups), 0.0) if setups else 0.0
     added = profile.proxy_added_ms.get(probe.mode)
     if added is None:
         raise PlanError(f"the profile has no proxy latency for {probe.mode} mode")
-    return Derived(prefill, front, step, max(submit, 0.0), added / HOPS[probe.mode])
+    return Derived(prefill, front, step, max(submit, 0.0), setup_ms, added / HOPS[probe.mode])
 
 
 def sim_params(
@@ -290,6 +307,7 @@ def sim_params(
         ),
         tp=1,
         link_gbps=profile.link_gbps,
+        transfer_setup_ms=d.transfer_setup_ms,
         hbm_tbps=profile.memory_gbps / 1e3,
         max_num_seqs=max_num_seqs or profile.max_num_seqs,
         output_len=output_len,
@@ -322,6 +340,10 @@ class Measured:
     runs: int
     ttft_p50: float | None
     tpot_p50: float | None
+    e2el_p50: float | None
+
+
+METRICS = ("ttft", "tpot", "e2el")
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,21 +351,15 @@ class CheckRow:
     measured: Measured
     ttft_p50: float
     tpot_p50: float
+    e2el_p50: float
 
-    @property
-    def ttft_error(self) -> float | None:
-        return _error(self.ttft_p50, self.measured.ttft_p50)
-
-    @property
-    def tpot_error(self) -> float | None:
-        return _error(self.tpot_p50, self.measured.tpot_p50)
-
-
-def _error(predicted: float, measured: float | None) -> float | None:
-    """Relative error of the prediction, (predicted - measured) / measured."""
-    if measured is None or measured <= 0:
-        return None
-    return (predicted - measured) / measured
+    def error(self, metric: str) -> float | None:
+        """(predicted - measured) / measured of one metric's p50."""
+        measured: float | None = getattr(self.measured, f"{metric}_p50")
+        if measured is None or measured <= 0:
+            return None
+        predicted: float = getattr(self, f"{metric}_p50")
+        return (predicted - measured) / measured
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -378,14 +394,17 @@ def measured_points(results: Sequence[Mapping[str, Any]]) -> list[Measured]:
                 runs=len(runs),
                 ttft_p50=_median((r.get("ttft") or {}).get("p50") for r in ok),
                 tpot_p50=_median((r.get("tpot") or {}).get("p50") for r in ok),
+                e2el_p50=_median((r.get("e2el") or {}).get("p50") for r in ok),
             )
         )
     return points
 
 
-def predict(profile: MachineProfile, point: Measured, seeds: int = 10) -> tuple[float, float]:
-    """Median over `seeds` arrival sequences of the simulated p50 TTFT and TPOT (ms)."""
-    ttfts, tpots = [], []
+def predict(
+    profile: MachineProfile, point: Measured, seeds: int = 10
+) -> tuple[float, float, float]:
+    """Median over `seeds` arrival sequences of the simulated p50 TTFT, TPOT and E2E (ms)."""
+    ttfts, tpots, e2els = [], [], []
     for seed in range(seeds):
         params = sim_params(
             profile,
@@ -398,7 +417,8 @@ def predict(profile: MachineProfile, point: Measured, seeds: int = 10) -> tuple[
         run = simulate(params, profile.setup(point.setup).mode, point.rate, point.input_len)
         ttfts.append(run.ttft_ms.p50)
         tpots.append(run.tpot_ms.p50)
-    return statistics.median(ttfts), statistics.median(tpots)
+        e2els.append(run.e2el_ms.p50)
+    return statistics.median(ttfts), statistics.median(tpots), statistics.median(e2els)
 
 
 def check(
@@ -419,6 +439,5 @@ def check(
     for index, point in enumerate(points, start=1):
         if progress is not None:
             progress(index, len(points), f"{point.setup}, {point.input_len} in, {point.rate:g}/s")
-        ttft, tpot = predict(profile, point, seeds)
-        rows.append(CheckRow(point, ttft, tpot))
+        rows.append(CheckRow(point, *predict(profile, point, seeds)))
     return rows

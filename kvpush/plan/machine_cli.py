@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.plan.machine import (
+    METRICS,
     CheckRow,
     Derived,
     MachineProfile,
     check,
     derive,
     load_profile,
-    save_profile,
     sim_params,
 )
 from kvpush.plan.model import PlanError
@@ -74,9 +74,9 @@ def register(nested: Any) -> None:
         default="16,80",
         help="two output lengths for the decode step (default: 16,80)",
     )
-    m.add_argument("--prefill-requests", type=int, default=6, help="per length (default: 6)")
+    m.add_argument("--prefill-requests", type=int, default=16, help="per length (default: 16)")
     m.add_argument(
-        "--decode-rounds", type=int, default=2, help="batches per step probe (default: 2)"
+        "--decode-rounds", type=int, default=3, help="batches per step probe (default: 3)"
     )
     m.add_argument("--hook-requests", type=int, default=6, help="per length (default: 6)")
     m.add_argument("--port", type=int, default=8000, help="base port (default: 8000)")
@@ -85,6 +85,7 @@ def register(nested: Any) -> None:
     m.add_argument("--kv-cache-gib", type=float, default=1.0, help="per server (default: 1)")
     m.add_argument("--workdir", type=Path, default=Path(".kvpush"), help="logs and caches")
     m.add_argument("--startup-timeout", type=float, default=300.0)
+    m.add_argument("--redo", action="store_true", help="measure setups already in --out again")
     from kvpush.plan.measure import MEMCPY_GBPS, NIXL_DRAM_GBPS, PROXY_ADDED_MS
 
     default_added = ",".join(f"{mode}={ms}" for mode, ms in PROXY_ADDED_MS.items())
@@ -190,8 +191,8 @@ def run_measure(args: argparse.Namespace) -> int:
             args.link_gbps,
             args.memory_gbps,
             ["kvpush", *sys.argv[1:]],
+            redo=args.redo,
         )
-        save_profile(profile, args.out)
     except ValueError as exc:
         return _fail(exc if isinstance(exc, PlanError) else PlanError(str(exc)))
     print(f"\nprofile written to {args.out}")
@@ -203,8 +204,8 @@ def _pct(error: float | None) -> str:
     return "-" if error is None else f"{error * 100:+.0f}%"
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _ms(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def render_derived(profile: MachineProfile) -> str:
@@ -212,7 +213,7 @@ def render_derived(profile: MachineProfile) -> str:
 
     headers = [
         "setup", "mode", "prefill ms", "+us/tok", "front end ms", "+us/tok",
-        "step ms", "+ms/seq", "+us/ctx tok", "submit us/tok", "hop ms",
+        "step ms", "+ms/seq", "+us/ctx tok", "submit us/tok", "xfer setup ms", "hop ms",
     ]  # fmt: skip
     rows = []
     for name in sorted(profile.setups):
@@ -229,6 +230,7 @@ def render_derived(profile: MachineProfile) -> str:
                 f"{d.step.per_seq_ms:.3f}",
                 f"{d.step.per_context_token_us:.4f}",
                 f"{d.submit_us_per_token:.2f}",
+                f"{d.transfer_setup_ms:.3f}",
                 f"{d.hop_ms:.2f}",
             ]
         )
@@ -240,35 +242,37 @@ def render_derived(profile: MachineProfile) -> str:
 def render_check(rows: Sequence[CheckRow], limit: float = 0.25) -> str:
     from kvpush.plan.cli import format_table
 
-    headers = [
-        "in", "qps", "setup", "result",
-        "TTFT p50", "predicted", "error", "TPOT p50", "predicted", "error",
-    ]  # fmt: skip
+    headers = ["in", "qps", "setup", "result"]
+    for name in ("TTFT", "TPOT", "E2E"):
+        headers += [f"{name} p50", "predicted", "error"]
     cells = []
     for row in sorted(
         rows, key=lambda r: (r.measured.input_len, r.measured.rate, r.measured.setup)
     ):
         m = row.measured
-        cells.append(
-            [
-                str(m.input_len),
-                f"{m.rate:g}",
-                m.setup,
-                m.status if m.runs == 1 else f"{m.status} x{m.runs}",
-                _ms(m.ttft_p50),
-                _ms(row.ttft_p50),
-                _pct(row.ttft_error),
-                f"{m.tpot_p50:.2f}" if m.tpot_p50 is not None else "-",
-                f"{row.tpot_p50:.2f}",
-                _pct(row.tpot_error),
+        line = [
+            str(m.input_len),
+            f"{m.rate:g}",
+            m.setup,
+            m.status if m.runs == 1 else f"{m.status} x{m.runs}",
+        ]
+        for metric in METRICS:
+            digits = 2 if metric == "tpot" else 1
+            line += [
+                _ms(getattr(m, f"{metric}_p50"), digits),
+                _ms(getattr(row, f"{metric}_p50"), digits),
+                _pct(row.error(metric)),
             ]
-        )
-    lines = [format_table(headers, cells), "(ms; error = (predicted - measured) / measured)"]
+        cells.append(line)
+    lines = [
+        format_table(headers, cells),
+        "(ms; error = (predicted - measured) / measured; E2E = arrival to last token)",
+    ]
     for setup in sorted({r.measured.setup for r in rows}):
         mine = [r for r in rows if r.measured.setup == setup]
         parts = []
-        for metric in ("ttft", "tpot"):
-            errors = [e for r in mine if (e := getattr(r, f"{metric}_error")) is not None]
+        for metric in METRICS:
+            errors = [e for r in mine if (e := r.error(metric)) is not None]
             if not errors:
                 parts.append(f"{metric.upper()} not measured")
                 continue
@@ -289,9 +293,9 @@ def check_json(rows: Sequence[CheckRow]) -> list[dict[str, Any]]:
             "input_len": r.measured.input_len,
             "rate": r.measured.rate,
             "status": r.measured.status,
-            "measured": {"ttft_p50": r.measured.ttft_p50, "tpot_p50": r.measured.tpot_p50},
-            "predicted": {"ttft_p50": r.ttft_p50, "tpot_p50": r.tpot_p50},
-            "error": {"ttft_p50": r.ttft_error, "tpot_p50": r.tpot_error},
+            "measured": {f"{m}_p50": getattr(r.measured, f"{m}_p50") for m in METRICS},
+            "predicted": {f"{m}_p50": getattr(r, f"{m}_p50") for m in METRICS},
+            "error": {f"{m}_p50": r.error(m) for m in METRICS},
         }
         for r in rows
     ]

@@ -27,6 +27,7 @@ from `--proxy-added-ms` (default: what `kvpush proxy bench` measured on this mac
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import statistics
 import time
@@ -35,7 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpush.plan.machine import MachineProfile, PointProbe, SetupProbe
+from kvpush.plan.machine import (
+    MachineProfile,
+    PointProbe,
+    SetupProbe,
+    load_profile,
+    save_profile,
+)
 from kvpush.plan.model import PlanError, read_hf_config
 from kvpush.plan.simulate import Mode
 
@@ -63,8 +70,8 @@ class MeasureSpec:
     out: Path
     max_num_seqs: int = 8
     output_lens: tuple[int, int] = (16, 80)
-    prefill_requests: int = 6
-    decode_rounds: int = 2
+    prefill_requests: int = 16
+    decode_rounds: int = 3
     hook_requests: int = 6
     port: int = 8000
     proxy_port: int | None = None
@@ -140,6 +147,8 @@ class Prober:
         random` makes them (its own sampler), so the prompts' shape matches the sweep's."""
         from vllm.benchmarks.datasets import RandomDataset
 
+        # it notes every prompt whose re-encoding is a token off; the sweep's prompts are too
+        logging.getLogger("vllm.benchmarks.datasets").setLevel(logging.ERROR)
         dataset = RandomDataset(random_seed=self.spec.seed + 1000 * salt + input_len)
         samples = dataset.sample(
             self.tokenizer, num_requests=count, input_len=input_len, output_len=2, range_ratio=0
@@ -207,16 +216,27 @@ class Prober:
             )
         return (per_request[long] - per_request[short]) / (long - short)
 
-    async def submissions(
+    async def handoffs(
         self, session: aiohttp.ClientSession, proxy_url: str, input_len: int
-    ) -> tuple[float, int]:
-        """Decode worker's `start_load_kv` (seconds, calls) over handed-off requests."""
+    ) -> tuple[tuple[float, int], float | None]:
+        """Over handed-off requests: decode worker's `start_load_kv` (seconds, calls), and
+        kvpush's own mean transfer time (ms; None for vLLM's connectors, which have none)."""
         prompts = self.prompts(self.spec.hook_requests, input_len, salt=50)
         before = hook_seconds(self.hooks("decode-0"), "start_load_kv")
+        metrics = [self.scrape(url) for url in (self.prefill_url, self.decode_url)]
         for prompt in prompts:
             await self.complete(session, proxy_url, prompt, 2)
         after = hook_seconds(self.hooks("decode-0"), "start_load_kv")
-        return after[0] - before[0], after[1] - before[1]
+        now = [self.scrape(url) for url in (self.prefill_url, self.decode_url)]
+        transfer = None
+        # whoever starts the transfer records it: prefill's writer, decode's reader
+        for name, then, later in (
+            ("kvpush:write_seconds", metrics[0], now[0]),
+            ("kvpush:read_seconds", metrics[1], now[1]),
+        ):
+            if metric_delta(then, later, f"{name}_count") > 0:
+                transfer = histogram_mean_ms(then, later, name)
+        return (after[0] - before[0], after[1] - before[1]), transfer
 
     async def run(self, setup: str) -> SetupProbe:
         import aiohttp
@@ -259,6 +279,7 @@ class Prober:
             )
             runner = await start_proxy(config, "127.0.0.1", port)
             submits: dict[int, float] = {}
+            transfers: dict[int, float | None] = {}
             hook_totals: dict[str, Any] = {"idle_start_load_kv": idle}
             try:
                 proxy_url = f"http://127.0.0.1:{port}"
@@ -266,7 +287,7 @@ class Prober:
                 if error:
                     raise PlanError(f"{setup}: a handoff through the proxy failed: {error}")
                 for n in spec.input_lens:
-                    busy = await self.submissions(session, proxy_url, n)
+                    busy, transfers[n] = await self.handoffs(session, proxy_url, n)
                     submits[n] = submit_beyond_idle(busy, idle, spec.hook_requests)
                     hook_totals[f"handoff_start_load_kv_{n}"] = busy
                     say(
@@ -276,7 +297,7 @@ class Prober:
             finally:
                 await runner.cleanup()
         points = tuple(
-            PointProbe(n, prefill[n][0], prefill[n][1], steps[n], submits[n])
+            PointProbe(n, prefill[n][0], prefill[n][1], steps[n], submits[n], transfers[n])
             for n in spec.input_lens
         )
         return SetupProbe(setup, mode, points, {"hook_totals": hook_totals})
@@ -297,18 +318,33 @@ def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
         timed_hooks=True,
         extra_env={"VLLM_CACHE_ROOT": str((spec.workdir / "vllm-cache").resolve())},
     )
+    import aiohttp
+
     topology = Topology(config)
-    say(f"\n== {setup}: starting 1 prefill + 1 decode, logs in {config.workdir / 'logs'}")
+    logs = config.workdir / "logs"
+    say(f"\n== {setup}: starting 1 prefill + 1 decode, logs in {logs}")
+    load_before = os.getloadavg()
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
     try:
         topology.start()
         took = topology.wait_healthy(spec.startup_timeout, StartupProgress(f"[{setup}] "))
         say(f"  [{setup}] servers healthy after {took:.0f} s")
-        return asyncio.run(Prober(spec, topology, say).run(setup))
+        probe = asyncio.run(Prober(spec, topology, say).run(setup))
     except StartupError as exc:
         raise PlanError(f"{setup}: servers did not start: {str(exc).splitlines()[0]}") from None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise PlanError(
+            f"{setup}: a probe request failed ({type(exc).__name__}: {exc}); see {logs}"
+        ) from None
     finally:
         topology.stop()
         say(f"  [{setup}] servers stopped")
+    probe.extra.update(
+        measured_at=started,
+        load_average_before=[round(v, 2) for v in load_before],
+        load_average_after=[round(v, 2) for v in os.getloadavg()],
+    )
+    return probe
 
 
 def measure(
@@ -318,23 +354,19 @@ def measure(
     memory_gbps: float,
     command: Sequence[str],
     say: Say = print,
+    redo: bool = False,
 ) -> MachineProfile:
-    kv_bytes = read_hf_config(spec.model).shape.kv_bytes_per_token
-    load_before = os.getloadavg()
-    started = time.strftime("%Y-%m-%dT%H:%M:%S")
-    setups = {setup: measure_setup(spec, setup, say) for setup in spec.setups}
-    return MachineProfile(
-        kv_bytes_per_token=kv_bytes,
+    """Measure every setup not already in `spec.out` (all of them with `redo`), saving the
+    profile after each one, so an interrupted run resumes where it stopped."""
+    profile = MachineProfile(
+        kv_bytes_per_token=read_hf_config(spec.model).shape.kv_bytes_per_token,
         max_num_seqs=spec.max_num_seqs,
         link_gbps=link_gbps,
         memory_gbps=memory_gbps,
         proxy_added_ms=dict(proxy_added_ms),
-        setups=setups,
+        setups={},
         provenance={
             "command": " ".join(command),
-            "measured_at": started,
-            "load_average_before": [round(v, 2) for v in load_before],
-            "load_average_after": [round(v, 2) for v in os.getloadavg()],
             "cores": len(os.sched_getaffinity(0)),
             "model": str(spec.model),
             "proxy_added_ms": "kvpush proxy bench --streams 1 (p50 added TTFT), unless "
@@ -343,3 +375,19 @@ def measure(
             "memory_gbps": "one-process memcpy, ../shared/ENVIRONMENT.md",
         },
     )
+    if spec.out.exists() and not redo:
+        done = load_profile(spec.out)
+        if done.max_num_seqs != spec.max_num_seqs or done.proxy_added_ms != proxy_added_ms:
+            raise PlanError(
+                f"{spec.out} was measured with other settings; pass --redo or another --out"
+            )
+        profile.setups.update(done.setups)
+        if profile.setups:
+            names = ", ".join(sorted(profile.setups))
+            say(f"already in {spec.out}: {names} (--redo measures them again)")
+    for setup in spec.setups:
+        if setup in profile.setups:
+            continue
+        profile.setups[setup] = measure_setup(spec, setup, say)
+        save_profile(profile, spec.out)
+    return profile

@@ -34,7 +34,8 @@ What is simulated (one request's path):
    `api_fixed_ms` - prefill's answer on the way to decode in pull, decode's first token on
    the way to the client in both modes. In push decode's front end works while prefill
    runs; in pull it comes after. `per_context_token_us` adds step time per context token
-   beyond reading its KV (attention on a CPU), and `PrefillSpeed.fixed_s` a cost per prompt.
+   beyond reading its KV (attention on a CPU), `PrefillSpeed.fixed_s` a cost per prompt,
+   and `transfer_setup_ms` a cost per transfer besides moving its bytes.
 
 Defaults are the articles' setup (Qwen3-32B, 1P1D, 2 x 8 x H200, TP 8, 50 GB/s per GPU,
 `--max-num-seqs 8`, 128 output tokens, 400 prompts) and each engine cost is derived there:
@@ -142,6 +143,7 @@ class SimParams:
     prefill_concurrency: int = 1
     tp: int = 8
     link_gbps: float = 50.0
+    transfer_setup_ms: float = 0.0
     hbm_tbps: float = H200_HBM_TBPS
     max_num_seqs: int = 8
     output_len: int = 128
@@ -172,6 +174,9 @@ class SimParams:
         check_positive("--link-gbps", self.link_gbps, "pass GB/s per GPU (articles: 50)")
         check_positive("--hbm-tbps", self.hbm_tbps, "pass HBM TB/s per GPU (H200: 4.8)")
         check_non_negative("--hop-ms", self.hop_ms, "pass one proxy hop in ms")
+        check_non_negative(
+            "--transfer-setup-ms", self.transfer_setup_ms, "pass ms per transfer besides bytes"
+        )
         check_non_negative("--api-fixed-ms", self.api_fixed_ms, "pass ms per server response")
         check_non_negative("--api-us-per-token", self.api_us_per_token, "pass us per token")
         check_non_negative(
@@ -188,7 +193,8 @@ class SimParams:
             raise PlanError(f"--seed must be a non-negative integer (got {self.seed!r})")
 
     def transfer_s(self, tokens: int) -> float:
-        return transfer_seconds(tokens * self.kv_bytes_per_token, self.tp, self.link_gbps)
+        moved = transfer_seconds(tokens * self.kv_bytes_per_token, self.tp, self.link_gbps)
+        return self.transfer_setup_ms * 1e-3 + moved
 
     def submit_s(self, tokens: int) -> float:
         return tokens * self.pull_submit_us_per_token * 1e-6
@@ -245,6 +251,8 @@ class RunResult:
     input_len: int
     ttft_ms: Stats
     tpot_ms: Stats
+    e2el_ms: Stats
+    """Arrival to last token, which chunks coalesced in a busy stream do not move."""
     prefill_load: float
     """Offered prefill work per second of time (> 1: prefill cannot keep up)."""
 
@@ -404,12 +412,14 @@ def simulate(params: SimParams, mode: Mode, rate: float, input_len: int) -> RunR
     # the first token still passes decode's front end on its way to the client
     ttft = [(req.first_token - req.arrival) * 1e3 + params.api_fixed_ms for req in requests]
     tpot = [(req.finished - req.first_token) * 1e3 / (params.output_len - 1) for req in requests]
+    e2el = [(req.finished - req.arrival) * 1e3 + params.api_fixed_ms for req in requests]
     return RunResult(
         mode=mode,
         rate=rate,
         input_len=input_len,
         ttft_ms=Stats.of(ttft),
         tpot_ms=Stats.of(tpot),
+        e2el_ms=Stats.of(e2el),
         prefill_load=rate * params.prefill.seconds(input_len),
     )
 

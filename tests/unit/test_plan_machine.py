@@ -35,6 +35,7 @@ def probe(
     front: tuple[float, float] = (5.0, 0.002),
     step: tuple[float, float, float] = (1.5, 0.1, 0.0005),  # base, per seq, per ctx token (ms)
     submit_ms_per_token: float | None = None,
+    transfer_ms: float | None = None,
 ) -> SetupProbe:
     points = []
     for n in (256, 1024):
@@ -47,6 +48,7 @@ def probe(
                 front_end_ms=front[0] + front[1] * n,
                 step_ms=steps,
                 submit_ms=submit,
+                transfer_ms=None if transfer_ms is None else transfer_ms + n * 512 / 12.5e6,
             )
         )
     return SetupProbe(setup, mode, tuple(points))  # type: ignore[arg-type]
@@ -92,6 +94,11 @@ def test_derive_turns_measurements_into_parameters() -> None:
     assert d.front_end.intercept == pytest.approx(5.0)
     assert d.submit_us_per_token == pytest.approx(4.0)
     assert d.hop_ms == pytest.approx(3.0 / HOPS["pull"])
+    assert d.transfer_setup_ms == 0.0  # vLLM's connectors report no transfer times
+    # kvpush's metrics: each transfer took 0.05 ms beyond moving its bytes at 12.5 GB/s
+    assert derive(profile(probe(transfer_ms=0.05)), "kvpush-push").transfer_setup_ms == (
+        pytest.approx(0.05)
+    )
 
 
 def test_noisy_measurements_are_refused_or_flattened() -> None:
@@ -196,7 +203,8 @@ def test_check_predicts_each_point_of_known_setups() -> None:
         ("kvpush-push", 1.0),
         ("kvpush-push", 4.0),
     ]
-    assert all(r.ttft_error is not None and r.tpot_error is not None for r in rows)
+    assert all(r.error("ttft") is not None and r.error("tpot") is not None for r in rows)
+    assert all(r.error("e2el") is None for r in rows)  # these records have no e2el
     with pytest.raises(PlanError, match="no result is of a setup the profile measured"):
         check(profile(), [record("vllm-push", 1.0, 30.0, 2.0)])
 
@@ -219,7 +227,7 @@ def test_check_cli_prints_errors_and_json(
     assert main(argv) == 0
     body = json.loads(capsys.readouterr().out)
     assert len(body["rows"]) == 2
-    assert body["rows"][0]["measured"] == {"ttft_p50": 30.0, "tpot_p50": 2.0}
+    assert body["rows"][0]["measured"] == {"ttft_p50": 30.0, "tpot_p50": 2.0, "e2el_p50": None}
     assert main(["plan", "check", str(tmp_path / "none"), "--profile", str(prof)]) == 2
     assert "pass a `kvpush bench sweep --out` folder" in capsys.readouterr().err
 
