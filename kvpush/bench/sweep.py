@@ -285,6 +285,17 @@ def metric_deltas(
     return deltas
 
 
+def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of a run's deltas for metric `name` whose labels include `labels`."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for key, value in deltas.items():
+        metric, _, rest = key.partition("{")
+        if metric == name and all(w in rest.rstrip("}").split(",") for w in wanted):
+            total += value
+    return total
+
+
 # -- one run ---------------------------------------------------------------------------------
 
 

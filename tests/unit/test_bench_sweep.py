@@ -160,6 +160,20 @@ def test_metric_deltas_keep_our_counters_and_vllms_token_sources() -> None:
     }
 
 
+def test_delta_total_sums_over_the_other_labels() -> None:
+    deltas = {
+        'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"}': 256.0,
+        'vllm:prompt_tokens_by_source_total{engine="1",source="external_kv_transfer"}': 44.0,
+        'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"}': 7.0,
+        "kvpush:transfer_bytes_total": 512.0,
+    }
+    name = "vllm:prompt_tokens_by_source_total"
+    assert sweep.delta_total(deltas, name, source="external_kv_transfer") == 300.0
+    assert sweep.delta_total(deltas, name) == 307.0
+    assert sweep.delta_total(deltas, "kvpush:transfer_bytes_total") == 512.0
+    assert sweep.delta_total(deltas, "kvpush:missing") == 0.0
+
+
 def write_recorded_sweep(out: Path) -> None:
     """Two iterations of three setups at two rates; vLLM push stalls at the high rate."""
     for it in (1, 2):

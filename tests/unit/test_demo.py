@@ -1,4 +1,4 @@
-"""`kvpush bench compare`'s pure parts: statistics, stream parsing, prompts, load control, the table."""
+"""`kvpush bench compare`'s pure parts: statistics, stream parsing, prompts, load, the table."""
 
 from __future__ import annotations
 
