@@ -209,6 +209,11 @@ class ProxyThread:
                 prefill=prefill,
                 decode=decode,
                 request_timeout=self.request_timeout,
+                # A vLLM server on a saturated CPU can take seconds to answer /health;
+                # ejecting it would abort the very requests being measured. Only a server
+                # silent for over a minute (or refusing connections) is ejected here.
+                health_timeout=10.0,
+                eject_after=10,
             )
             self.runner = self.loop.run_until_complete(start_proxy(config, "127.0.0.1", self.port))
         except Exception as exc:  # reported by __enter__, in the sweep's own thread

@@ -106,7 +106,7 @@ def register(subparsers: Any) -> None:
         "--health-timeout",
         metavar="S",
         type=float,
-        default=2.0,
+        default=5.0,
         help="seconds a health check (or /metrics read) may take (default %(default)s)",
     )
     parser.add_argument(

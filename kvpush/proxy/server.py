@@ -98,7 +98,7 @@ class ProxyConfig:
     policy: str = "least-loaded"
     retries: int = 1
     health_interval: float = 2.0
-    health_timeout: float = 2.0
+    health_timeout: float = 5.0
     eject_after: int = 3
     return_after: int = 2
     scrape_interval: float = 0.0  # 0: do not read the backends' /metrics
