@@ -252,12 +252,12 @@ class Receiver(PeerLoop[_Read]):
         ident = self.worker.identity
         why = "decode request ended before it got blocks"
         for rank in planning.peer_ranks(ident.tp_rank, ident.tp_size, item.prefill_tp):
-            msg: Message
-            if self.pull:
-                msg = ReadDone(item.transfer_id, 0, ident.tp_rank, ident.tp_size, False, why)
+            host, port = item.prefill_host, item.prefill_port + rank
+            if self.pull:  # prefill answers a ReadDone; the answer changes nothing here
+                done = ReadDone(item.transfer_id, 0, ident.tp_rank, ident.tp_size, False, why)
+                self.peers.submit(_request, self._client(host, port), done)
             else:
-                msg = Cancel(item.transfer_id, _ALL_GENERATIONS, why)
-            self.peers.notify(item.prefill_host, item.prefill_port + rank, msg)
+                self.peers.notify(host, port, Cancel(item.transfer_id, _ALL_GENERATIONS, why))
 
     def _watch(self, now: float) -> None:
         """Fail transfers whose prefill rank closed the connection that carried them (a
@@ -425,3 +425,11 @@ class Receiver(PeerLoop[_Read]):
             return  # decode already gave up; the answer only matters to prefill
         answered = _Answered(spec, rank, isinstance(msg, ReadDone), problem)
         self.inbox.put((answered, time.monotonic()))
+
+
+def _request(client: ControlClient, msg: Message) -> None:
+    """Pool thread: send `msg` and read its answer, which the caller does not need."""
+    try:
+        client.request(msg)
+    except (ConnectionError, TimeoutError, OSError, ProtocolError) as exc:
+        log.warning("no answer from %s to %s: %s", client.address, type(msg).__name__, exc)

@@ -432,12 +432,20 @@ def test_decode_request_that_ends_before_it_got_blocks_frees_prefill_at_once(
     assert callable(pair_factory)
     for mode in ("push", "pull"):
         pair: Pair = pair_factory(mode, mode, lease_s=30.0)
+        pair.start("t0")  # a first transfer: the two know each other
+        pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)  # noqa: B023
+        pair.prefill.sending.clear()
         pair.prefill.step(KvpushMetadata(send=[send_spec()]))
         port = pair.prefill.worker.port
         abort = AbortSpec("t1", "d1", "127.0.0.1", port, 1)
         pair.decode.step(KvpushMetadata(aborted=[abort]))
         took = pair.run_until(lambda: pair.prefill.sending)  # noqa: B023
         assert took < 2.0, f"{mode}: not at the 30 s lease end"
+        receiver = pair.decode.worker.receiver
+        assert receiver is not None
+        time.sleep(0.2)  # prefill's answer (pull) has arrived by now
+        for peer in receiver.peers.peers.values():
+            assert peer.hello is None or peer.client.alive(peer.connection), "kept"
 
 
 def test_pull_decode_with_twice_the_tp_reads_its_heads_and_frees_prefill_after_both(
