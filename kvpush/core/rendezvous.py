@@ -441,7 +441,9 @@ class Rendezvous:
             self.stats.writes_started += 1
             return [*actions, StartWrite(queued.reg, writing.local, queued.deadline)]
         del self._writing[reg.transfer_id], self._writing_local[local.transfer_id]
-        self._bury({reg.transfer_id, local.transfer_id}, generation, True, why, now)
+        # newer generations refused during the write are stale from now on, too
+        newest = max(generation, writing.newest)
+        self._bury({reg.transfer_id, local.transfer_id}, newest, True, why, now)
         return [ReleaseBlocks(local, why), *actions]
 
     def expire(self, now: float) -> list[Action]:

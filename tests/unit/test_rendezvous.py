@@ -306,6 +306,16 @@ def test_local_abort_during_write_waits_for_it() -> None:
     assert kinds(rdv.write_finished("t1", 0, True, "", 1.0)) == ["ReleaseBlocks"]
 
 
+def test_a_registration_refused_during_an_aborted_write_is_refused_once() -> None:
+    rdv = Rendezvous()
+    rdv.register(reg(generation=0), 0.0)
+    done(rdv)
+    rdv.abort_local("t1", "t1", "shutdown", 0.1)
+    assert kinds(rdv.register(reg(generation=1), 0.2)) == ["DropRegistration", "NotifyFailure"]
+    rdv.write_finished("t1", 0, False, "aborted", 0.3)
+    assert rdv.register(reg(generation=1), 0.4) == [], "a repeat of a refused one is stale"
+
+
 def test_misuse_raises() -> None:
     rdv = Rendezvous()
     done(rdv)
