@@ -513,6 +513,32 @@ def _outside_memory(layout: KVLayout, memory: tuple[tuple[int, int], ...]) -> st
     return None
 
 
+def grant(
+    secret: bytes, engine_id: str, transfer_id: str, block_ids: tuple[int, ...], num_tokens: int
+) -> str:
+    """Pull: prefill's signature over the blocks it leased for a transfer.
+
+    Prefill hands it out in `kv_transfer_params` with the block ids, which travel through
+    the router; decode checks it (`grant_ok`) before it READs, so coordinates forged or
+    altered on the way never make it read blocks prefill did not lease for that transfer.
+    """
+    _check_secret(secret)
+    signed = msgpack.packb([engine_id, transfer_id, list(block_ids), num_tokens])
+    return hmac.digest(secret, b"kvpush-grant\0" + signed, hashlib.sha256).hex()
+
+
+def grant_ok(
+    secret: bytes,
+    token: str,
+    engine_id: str,
+    transfer_id: str,
+    block_ids: tuple[int, ...],
+    num_tokens: int,
+) -> bool:
+    expected = grant(secret, engine_id, transfer_id, block_ids, num_tokens)
+    return hmac.compare_digest(token.encode(), expected.encode())
+
+
 def check_compatible(local: Hello, remote: Hello) -> str | None:
     """Why `local` cannot exchange KV with `remote` (None when it can).
 

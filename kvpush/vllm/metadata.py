@@ -25,6 +25,8 @@ class RecvSpec:
     generation: int
     remote_block_ids: tuple[int, ...] = ()
     remote_num_tokens: int = 0
+    remote_engine_id: str = ""
+    remote_grant: str = ""  # prefill's signature over the above (`protocol.grant`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from kvpush.core.protocol import (
     ReadDone,
     Registration,
     WriteDone,
+    grant_ok,
 )
 from kvpush.core.rendezvous import ArrivalFailed, Arrivals, Arrived, Deadlines, Outcome
 from kvpush.dataplane.control import ControlClient, Unreachable
@@ -57,6 +58,7 @@ class _Expecting:
     deadline: float = math.inf  # next lease renewal (pull)
     alive: bool = True
     aborted: bool = False  # the request ended: report it received, not failed
+    forged: bool = False  # pull: its coordinates failed the grant check; tell prefill nothing
     # Producer rank -> the control connection (`ControlClient.connection`) that carried
     # this transfer to it; the liveness watch judges only that connection.
     connections: dict[int, int] = field(default_factory=dict)
@@ -337,6 +339,22 @@ class Receiver(PeerLoop[_Read]):
                 "kvpush pull mode, or the router dropped its answer's kv_transfer_params",
             )
             return
+        secret = self.worker.config.secret
+        if secret and not grant_ok(
+            secret,
+            spec.remote_grant,
+            spec.remote_engine_id,
+            spec.transfer_id,
+            spec.remote_block_ids,
+            spec.remote_num_tokens,
+        ):
+            why = (
+                "kv_transfer_params carry no valid grant from prefill: forged or altered on "
+                "the way (or prefill has another secret); nothing was read"
+            )
+            self.expecting[spec.transfer_id].forged = True
+            self._read_failed(read, why, "bad_grant")
+            return
         expecting = self.expecting[spec.transfer_id]
         expecting.connections[read.rank] = peer.client.connection
         try:
@@ -380,7 +398,8 @@ class Receiver(PeerLoop[_Read]):
         stuck = {read.rank for read in self.inflight.cancel(lambda read: read.spec is spec)}
         reason = f"decode gave up: {failed.reason}"
         done = self._read_done(spec, False, reason)
-        for rank in expecting.producers:
+        # forged coordinates may name another request's transfer: leave its lease alone
+        for rank in () if expecting.forged else expecting.producers:
             peer = self.peers.peers.get((spec.prefill_host, spec.prefill_port + rank))
             if peer is not None and peer.hello is not None:  # never bother a refused peer
                 self.peers.submit(self._ask, spec, rank, peer.client, done)

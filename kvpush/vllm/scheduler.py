@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvpush.core.protocol import grant
 from kvpush.vllm.config import KvpushConfig
 from kvpush.vllm.metadata import AbortSpec, KvpushMetadata, RecvSpec, SendSpec
 from kvpush.vllm.stats import HookTimer
@@ -91,6 +92,8 @@ class SchedulerSide:
                     generation=generation,
                     remote_block_ids=tuple(int(b) for b in remote_ids),
                     remote_num_tokens=int(params.get("remote_num_tokens") or 0),
+                    remote_engine_id=str(params.get("remote_engine_id") or ""),
+                    remote_grant=str(params.get("kvpush_grant") or ""),
                 )
             )
             self._receiving[request.request_id] = transfer_id
@@ -149,7 +152,7 @@ class SchedulerSide:
             self._sending[request.request_id] = time.monotonic()
             if self.config.mode == "push":
                 return True, None
-            return True, {
+            coordinates: dict[str, Any] = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
                 "transfer_id": transfer_id,
@@ -160,6 +163,15 @@ class SchedulerSide:
                 "remote_num_tokens": request.num_computed_tokens,
                 "tp_size": self.tp_size,
             }
+            if self.config.secret:  # lets decode refuse coordinates altered on the way
+                coordinates["kvpush_grant"] = grant(
+                    self.config.secret,
+                    self.engine_id,
+                    transfer_id,
+                    tuple(block_ids),
+                    request.num_computed_tokens,
+                )
+            return True, coordinates
 
     def update_connector_output(
         self, finished_sending: set[str], finished_recving: set[str]

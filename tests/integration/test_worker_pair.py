@@ -448,6 +448,42 @@ def test_decode_request_that_ends_before_it_got_blocks_frees_prefill_at_once(
             assert peer.hello is None or peer.client.alive(peer.connection), "kept"
 
 
+def test_pull_decode_reads_nothing_with_coordinates_prefill_did_not_grant(
+    pair_factory: object,
+) -> None:
+    """With a secret, prefill signs the blocks it leased; decode refuses coordinates that
+    were forged or altered on the way before it reads anything."""
+    from kvpush.core.protocol import grant
+
+    assert callable(pair_factory)
+    secret = b"pair-secret"
+    pair: Pair = pair_factory(secret=secret)  # type: ignore[arg-type]
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    genuine = grant(secret, "prefill-0", "t1", PREFILL_BLOCKS, NUM_TOKENS)
+    forged = pair.recv_spec(remote_block_ids=(5, 6, 8), remote_grant=genuine)
+    pair.decode.step(KvpushMetadata(recv=[forged]))
+    took = pair.run_until(lambda: pair.decode.recving)
+    assert took < 2.0 and pair.decode.load_errors == {1, 9, 3}
+    assert torch.count_nonzero(tokens(pair.decode.caches, (1, 9, 3), NUM_TOKENS)) == 0
+    failures = pair.decode.worker.stats_data()["failures"]
+    assert failures == {"bad_grant": 1, "receive_failed": 1}
+    # the genuine coordinates are read
+    pair.decode.recving.clear()
+    granted = pair.recv_spec(
+        transfer_id="t1",
+        generation=1,
+        remote_engine_id="prefill-0",
+        remote_grant=genuine,
+    )
+    pair.decode.load_errors.clear()
+    pair.decode.step(KvpushMetadata(recv=[granted]))
+    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert pair.decode.load_errors == set(), "the forged read left the genuine lease alone"
+    assert pair.decode.worker.stats_data()["failures"] == {}
+    moved = tokens(pair.decode.caches, (1, 9, 3), NUM_TOKENS)
+    assert torch.equal(moved, tokens(pair.prefill.caches, PREFILL_BLOCKS, NUM_TOKENS))
+
+
 def test_pull_decode_with_twice_the_tp_reads_its_heads_and_frees_prefill_after_both(
     pair_factory: object,
 ) -> None:

@@ -27,6 +27,8 @@ from kvpush.core.protocol import (
     check_compatible,
     decode,
     encode,
+    grant,
+    grant_ok,
     greeting,
     parse_greeting,
 )
@@ -468,3 +470,21 @@ def test_incompatible_peers_are_named(changes: dict[str, object], words: list[st
     assert "decode-0" in problem
     for word in words:
         assert word in problem
+
+
+# -- grants: prefill's signature over the blocks it leased (pull) ---------------------------
+
+
+def test_a_grant_checks_out_only_for_exactly_what_was_granted() -> None:
+    token = grant(SECRET, "prefill-0", "t-1", (4, 5, 9), 40)
+    assert grant_ok(SECRET, token, "prefill-0", "t-1", (4, 5, 9), 40)
+    for engine, transfer, blocks, tokens in [
+        ("prefill-1", "t-1", (4, 5, 9), 40),
+        ("prefill-0", "t-2", (4, 5, 9), 40),
+        ("prefill-0", "t-1", (4, 5, 8), 40),
+        ("prefill-0", "t-1", (4, 5), 40),
+        ("prefill-0", "t-1", (4, 5, 9), 41),
+    ]:
+        assert not grant_ok(SECRET, token, engine, transfer, blocks, tokens)
+    assert not grant_ok(b"another secret", token, "prefill-0", "t-1", (4, 5, 9), 40)
+    assert not grant_ok(SECRET, "", "prefill-0", "t-1", (4, 5, 9), 40)

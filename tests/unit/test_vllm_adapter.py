@@ -230,6 +230,27 @@ def test_pull_decode_records_where_to_read_from() -> None:
     assert decode.request_finished(req, [4, 7]) == (False, None)  # type: ignore[arg-type]
 
 
+def test_pull_prefill_signs_its_coordinates_when_a_secret_is_set() -> None:
+    from vllm.v1.request import RequestStatus
+
+    from kvpush.core.protocol import grant_ok
+
+    config = KvpushConfig(mode="pull", secret=b"s3cret")
+    prefill = SchedulerSide(config, "prefill-0", is_producer=True)
+    done = FakeRequest(
+        "p-1", list(range(6)), {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED, 6
+    )
+    _, params = prefill.request_finished(done, [9, 2])  # type: ignore[arg-type]
+    assert params is not None
+    assert grant_ok(b"s3cret", params["kvpush_grant"], "prefill-0", "p-1", (9, 2), 6)
+    decode = SchedulerSide(config, "decode-0", is_producer=False)
+    req = FakeRequest("d-1", list(range(6)), dict(params))
+    decode.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+    decode.update_state_after_alloc(req, FakeBlocks([4, 7]), 6)  # type: ignore[arg-type]
+    (spec,) = decode.build_connector_meta(SimpleNamespace()).recv
+    assert (spec.remote_engine_id, spec.remote_grant) == ("prefill-0", params["kvpush_grant"])
+
+
 def test_rejected_message_counts_reach_stats_once() -> None:
     from kvpush.vllm.worker import Identity, WorkerSide
 
