@@ -48,7 +48,9 @@ def test_a_short_sweep_records_both_setups_resumes_and_plots(
         decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
     assert external >= PROMPTS * 100  # the prompts' KV came over the wire
-    assert delta_total(decode, "kvpush:transfer_bytes_total") > 0
+    prefill = ours["metrics"]["prefill"]  # push: prefill's writer counts what it sent
+    assert delta_total(prefill, "kvpush:transfer_bytes_count") == PROMPTS
+    assert delta_total(prefill, "kvpush:transfer_bytes_sum") >= PROMPTS * 100 * 512
     assert (out / "kvpush-push_qps2_in128_out8_iter1.log").stat().st_size > 0
     # vLLM's pull connector is a measurement, not a pass/fail: a stall is a recorded result.
     assert theirs["status"] in results.STATUSES
