@@ -60,7 +60,7 @@ class PushWriter(PeerLoop[StartWrite]):
         now = time.monotonic()
         self.act(self.rendezvous.expire(now))  # nothing past its deadline pairs up
         if isinstance(item, Registration):
-            self.registered_at[(item.transfer_id, item.generation)] = at
+            self._note_arrival(item, at)
             self.act(self.rendezvous.register(item, now))
         elif isinstance(item, SendSpec):
             hold = self.worker.config.faults.seconds("hold_prefill", item.transfer_id)
@@ -98,6 +98,15 @@ class PushWriter(PeerLoop[StartWrite]):
         for moving, error in self.ended():
             self._finish(moving, error, now)
         self.act(self.rendezvous.expire(now))
+
+    def _note_arrival(self, reg: Registration, at: float) -> None:
+        """Remember when `reg` arrived, for the registration-to-write metric. Arrivals are
+        in time order, so the oldest go first: a registration never written (dropped,
+        stale, expired) is forgotten once it could no longer be."""
+        self.registered_at[(reg.transfer_id, reg.generation)] = at
+        too_old = at - 2 * self.worker.config.transfer_timeout_s
+        while (oldest := next(iter(self.registered_at.items()))) and oldest[1] < too_old:
+            del self.registered_at[oldest[0]]
 
     def act(self, actions: list[Any]) -> None:
         for action in actions:

@@ -332,6 +332,25 @@ def test_push_timeout_fails_the_request_once_prefill_confirms(pair_factory: obje
     assert took < 2.0, "decode's cancel freed prefill's blocks, not prefill's 5 s lease end"
 
 
+def test_push_prefill_forgets_arrival_times_of_registrations_never_written(
+    pair_factory: object,
+) -> None:
+    from kvpush.core.protocol import Registration
+
+    assert callable(pair_factory)
+    pair: Pair = pair_factory("push", "push", transfer_timeout_s=0.5)
+    writer = pair.prefill.worker.writer
+    assert writer is not None
+
+    def reg(transfer_id: str) -> Registration:
+        return Registration(transfer_id, "r", "decode-0", "127.0.0.1", 1, 0, 1, (1,), 4, 0, 500)
+
+    writer.inbox.put((reg("old"), time.monotonic() - 5.0))
+    writer.inbox.put((reg("new"), time.monotonic()))
+    pair.run_until(lambda: ("new", 0) in writer.registered_at)
+    assert list(writer.registered_at) == [("new", 0)]
+
+
 def test_push_nixl_error_fails_the_request_at_once(pair_factory: object) -> None:
     assert callable(pair_factory)
     pair: Pair = pair_factory("push", "push", faults="nixl_error", transfer_timeout_s=10.0)
