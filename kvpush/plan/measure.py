@@ -276,6 +276,10 @@ class Prober:
                 prefill=prefill_backends,
                 decode=decode_backends,
                 request_timeout=spec.request_timeout,
+                # a server whose core a spinning NIXL thread shares can miss /health for
+                # seconds; the probe sends one request at a time and needs no ejection
+                health_interval=3600.0,
+                health_timeout=spec.request_timeout,
             )
             runner = await start_proxy(config, "127.0.0.1", port)
             submits: dict[int, float] = {}
