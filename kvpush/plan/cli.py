@@ -478,7 +478,10 @@ def render_results(params: SimParams, results: Sequence[RunResult]) -> str:
         if math.isfinite(speed.attn_tokens)
         else "no attention term"
     )
-    lines = [f"prefill      {speed.tokens_per_s / 1e3:.1f}k tokens/s on matmuls, {attention}"]
+    fixed = f", {speed.fixed_s * 1e3:.2f} ms per prompt" if speed.fixed_s else ""
+    lines = [
+        f"prefill      {speed.tokens_per_s / 1e3:.1f}k tokens/s on matmuls, {attention}{fixed}"
+    ]
     for n in lens:
         lines.append(
             f"{n:>6,} tok   prefill {speed.seconds(n) * 1e3:.1f} ms, "
