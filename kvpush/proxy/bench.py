@@ -11,8 +11,10 @@ N streams = N client connections with a request open on each, as N users would h
 - 1 probe stream sends one-token streaming completions, at most one per --probe-every-ms,
   and times each to its first byte (TTFT). The probe gives the latency figures (many
   samples, even at N=1); the load streams give the time to the end of a long stream.
-Each run lasts --seconds after a short warm-up, first straight to the decode stub, then
-through the proxy (which adds the prefill leg to the prefill stub, and the relay). Added
+Each run lasts --seconds after a short warm-up, first without the proxy, then through it.
+Without the proxy means what a client would do itself: in pull mode a one-token prefill to
+the prefill stub and then the request to the decode stub, in push mode the request straight
+to the decode stub (push's prefill leg runs beside decode's, off the critical path). Added
 latency = through the proxy minus direct, per statistic, each the median over --repeats
 pairs of runs. A last pair of runs sends one-token non-streaming requests back to back on
 --throughput-streams streams: the most requests per second each way.
@@ -125,13 +127,23 @@ class Row:
 
 
 async def _timed(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], first_leg: str | None = None
 ) -> tuple[float, float, float] | None:
-    """(start, first byte, last byte) of one request; None if it failed."""
+    """(start, first byte, last byte) of one request; None if it failed.
+
+    With `first_leg`, the request is what a pull-mode client without a proxy sends: a
+    one-token prefill to `first_leg` first, then the request to `url`, timed from the start.
+    """
     import aiohttp
 
     started = time.perf_counter()
     try:
+        if first_leg is not None:
+            prefill = {**body, "max_tokens": 1, "stream": False}
+            async with session.post(first_leg, json=prefill) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    return None
         async with session.post(url, json=body) as resp:
             await resp.content.readany()
             first = time.perf_counter()
@@ -142,9 +154,11 @@ async def _timed(
     return (started, first, time.perf_counter()) if ok else None
 
 
-async def drive(url: str, streams: int, spec: BenchSpec, throughput: bool = False) -> Run:
+async def drive(
+    url: str, streams: int, spec: BenchSpec, throughput: bool = False, first_leg: str | None = None
+) -> Run:
     """One run against `url`: a probe and streams-1 load streams, or (`throughput`)
-    `streams` clients sending one-token requests back to back."""
+    `streams` clients sending one-token requests back to back; `first_leg`: see _timed."""
     import aiohttp
 
     base = {"model": "stub", "prompt": "hi"}
@@ -168,12 +182,12 @@ async def drive(url: str, streams: int, spec: BenchSpec, throughput: bool = Fals
 
     async def probe(session: aiohttp.ClientSession, pace: float) -> None:
         while (started := time.perf_counter()) < stop_at:
-            record(await _timed(session, url, probe_body), ttft, True)
+            record(await _timed(session, url, probe_body, first_leg), ttft, True)
             await asyncio.sleep(max(0.0, started + pace - time.perf_counter()))
 
     async def load(session: aiohttp.ClientSession) -> None:
         while time.perf_counter() < stop_at:
-            record(await _timed(session, url, load_body), total, False)
+            record(await _timed(session, url, load_body, first_leg), total, False)
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         if throughput:
@@ -271,6 +285,9 @@ def measure(spec: BenchSpec, progress: Callable[[str], None]) -> tuple[list[Row]
         proxy_url = proxy.answer()
         direct = decode_url + "/v1/completions"
         through = proxy_url + "/v1/completions"
+        # Pull mode's direct path does both legs in turn, as a client without a proxy would,
+        # so the difference is the proxy's own work; push's legs run side by side.
+        first_leg = prefill_url + "/v1/completions" if spec.mode == "pull" else None
 
         def row(streams: int, throughput: bool) -> Row:
             what = "throughput" if throughput else "latency"
@@ -278,7 +295,8 @@ def measure(spec: BenchSpec, progress: Callable[[str], None]) -> tuple[list[Row]
             for repeat in range(spec.repeats):
                 for side, url in (("direct", direct), ("proxy", through)):
                     cpu = cpu_seconds(proxy.process.pid)
-                    run = asyncio.run(drive(url, streams, spec, throughput))
+                    leg = first_leg if side == "direct" else None
+                    run = asyncio.run(drive(url, streams, spec, throughput, leg))
                     if side == "proxy":
                         run = dataclasses.replace(
                             run, proxy_cpu=cpu_seconds(proxy.process.pid) - cpu
