@@ -229,3 +229,27 @@ def mode_conflict(
             f"decode {decode.url} run kvpush in {pair_mode} mode; {fix}"
         )
     return None
+
+
+_FAILURES = re.compile(r"^kvpush:failures_total\{([^}]*)\}\s+(\S+)\s*$", re.MULTILINE)
+_KIND_LABEL = re.compile(r'\bkind="([^"]*)"')
+
+
+def kvpush_failures(metrics_text: str) -> dict[str, float]:
+    """kvpush's failed-transfer counters on a server's /metrics, summed by kind."""
+    counts: dict[str, float] = {}
+    for labels, value in _FAILURES.findall(metrics_text):
+        kind = _KIND_LABEL.search(labels)
+        if kind:
+            try:
+                counts[kind.group(1)] = counts.get(kind.group(1), 0.0) + float(value)
+            except ValueError:
+                continue
+    return counts
+
+
+def failure_growth(before: dict[str, float] | None, after: dict[str, float]) -> str:
+    """'kind +n, ...' for the counters that grew; with no earlier reading, those above 0."""
+    grown = {k: v - (before or {}).get(k, 0.0) for k, v in after.items()}
+    parts = [f"{k} +{v:g}" for k, v in sorted(grown.items()) if v > 0]
+    return ", ".join(parts)

@@ -253,6 +253,8 @@ class Proxy:
         self.metrics = Metrics(self.pools)
         self.monitor = Monitor(self)
         self._flights: dict[BackendState, set[_Flight]] = {}
+        # kvpush:failures_total by kind, per backend URL, as last read after a failure.
+        self._failures_seen: dict[str, dict[str, float]] = {}
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -413,9 +415,9 @@ class Proxy:
             if exc.role == "decode" and exc.status >= 500 and relay.prefill is not None:
                 # vLLM reports a failed KV handoff as a bare 500; if the pair's connectors
                 # disagree on the mode, say so (both servers report it on /metrics).
-                conflict = await self._mode_conflict(relay.prefill, exc.backend)
-                if conflict:
-                    message = f"{message}; {conflict}"
+                cause = await self._handoff_cause(relay.prefill, exc.backend)
+                if cause:
+                    message = f"{message}; {cause}"
             log.warning("request %s failed: %s", job.request_id, message)
             return await relay.fail(exc.client_status, message, exc.backend.url)
         self.metrics.requests.labels(mode, "ok").inc()
@@ -558,18 +560,37 @@ class Proxy:
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise _transport_failure("decode", backend, exc, self.config) from None
 
-    async def _mode_conflict(self, prefill: Backend, decode: Backend) -> str | None:
-        async def mode_of(backend: Backend) -> str | None:
+    async def _handoff_cause(self, prefill: Backend, decode: Backend) -> str | None:
+        """What the pair's /metrics say about a failed handoff: a mode mismatch, or which
+        of kvpush's failure counters grew since the last such reading (vLLM itself only
+        answers "Internal server error")."""
+
+        async def metrics_of(backend: Backend) -> str | None:
             try:
                 async with self.session.get(
                     backend.url + "/metrics", timeout=aiohttp.ClientTimeout(total=1.0)
                 ) as resp:
-                    return rewrite.kvpush_mode(await resp.text()) if resp.status == 200 else None
+                    return await resp.text() if resp.status == 200 else None
             except (TimeoutError, aiohttp.ClientError):
                 return None
 
-        modes = await asyncio.gather(mode_of(prefill), mode_of(decode))
-        return rewrite.mode_conflict(self.config.mode, prefill, modes[0], decode, modes[1])
+        texts = await asyncio.gather(metrics_of(prefill), metrics_of(decode))
+        modes = [rewrite.kvpush_mode(t) if t else None for t in texts]
+        conflict = rewrite.mode_conflict(self.config.mode, prefill, modes[0], decode, modes[1])
+        if conflict:
+            return conflict
+        causes = []
+        for role, backend, text in (("decode", decode, texts[1]), ("prefill", prefill, texts[0])):
+            if not text:
+                continue
+            counts = rewrite.kvpush_failures(text)
+            grown = rewrite.failure_growth(self._failures_seen.get(backend.url), counts)
+            self._failures_seen[backend.url] = counts
+            if grown:
+                causes.append(f"{role} {backend.url}: {grown}")
+        if not causes:
+            return None
+        return "kvpush counted failed transfers (kvpush:failures_total) on " + "; ".join(causes)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         try:

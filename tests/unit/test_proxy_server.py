@@ -200,3 +200,24 @@ async def test_a_plain_decode_failure_gets_no_mode_hint() -> None:
         rig.decode.behaviour = StubBehaviour(status=500)
         message = (await (await rig.post(BODY)).json())["error"]["message"]
         assert "mode mismatch" not in message
+
+
+async def test_a_failed_handoff_names_the_kvpush_failures_that_grew() -> None:
+    """vLLM answers a failed transfer with a bare 500; the client hears kvpush's cause."""
+
+    def counters(timeout: int, gone: int) -> str:
+        return (
+            'kvpush:info{engine="0",mode="push",role="decode"} 1.0\n'
+            f'kvpush:failures_total{{engine="0",kind="transfer_timeout"}} {timeout}.0\n'
+            f'kvpush:failures_total{{engine="0",kind="peer_gone"}} {gone}.0\n'
+        )
+
+    async for rig in make_rig("push"):
+        rig.decode.behaviour = StubBehaviour(status=500)
+        rig.decode.metrics = counters(2, 0)
+        first = (await (await rig.post(BODY)).json())["error"]["message"]
+        assert "kvpush:failures_total" in first and "transfer_timeout +2" in first
+        rig.decode.metrics = counters(2, 1)  # one more failure, of another kind
+        second = (await (await rig.post(BODY)).json())["error"]["message"]
+        assert "decode http://127.0.0.1:" in second and "peer_gone +1" in second
+        assert "transfer_timeout" not in second  # it did not grow this time

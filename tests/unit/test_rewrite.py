@@ -136,3 +136,19 @@ def test_mode_conflicts_name_both_values_and_the_fix() -> None:
     assert with_proxy is not None and "--mode pull" in with_proxy and "push mode" in with_proxy
     assert rewrite.mode_conflict("push", PREFILL, "push", decode, "push") is None
     assert rewrite.mode_conflict("push", PREFILL, None, decode, None) is None
+
+
+def test_kvpush_failures_are_read_by_kind_and_growth_is_named() -> None:
+    text = (
+        "# HELP kvpush:failures_total Failed transfers by cause\n"
+        'kvpush:failures_total{engine="0",kind="peer_gone",model_name="m"} 3.0\n'
+        'kvpush:failures_total{engine="1",kind="peer_gone",model_name="m"} 1.0\n'
+        'kvpush:failures_total{engine="0",kind="transfer_timeout",model_name="m"} 0.0\n'
+        'kvpush:failures_created{engine="0",kind="peer_gone"} 1.7e9\n'
+    )
+    counts = rewrite.kvpush_failures(text)
+    assert counts == {"peer_gone": 4.0, "transfer_timeout": 0.0}
+    assert rewrite.failure_growth(None, counts) == "peer_gone +4"
+    later = {"peer_gone": 4.0, "transfer_timeout": 2.0}
+    assert rewrite.failure_growth(counts, later) == "transfer_timeout +2"
+    assert rewrite.failure_growth(later, later) == ""
