@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpush.proxy")
 
 
+TIMED_OUT = "/health gave no answer within"
+
+
 async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:
     """GET url/health; None when it answers 200 in time, else what went wrong."""
     try:
@@ -35,7 +38,7 @@ async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float)
         ) as resp:
             return None if resp.status == 200 else f"/health answered HTTP {resp.status}"
     except TimeoutError:
-        return f"/health gave no answer within {timeout:g} s"
+        return f"{TIMED_OUT} {timeout:g} s"
     except aiohttp.ClientConnectorError as exc:
         return f"cannot connect ({exc.os_error})"
     except aiohttp.ClientError as exc:

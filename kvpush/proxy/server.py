@@ -54,7 +54,7 @@ from kvpush.proxy.balance import (
     check_policy,
 )
 from kvpush.proxy.fleet import ROLES, Fleet, check_backend, check_fleet, check_role
-from kvpush.proxy.monitor import Monitor, probe_health
+from kvpush.proxy.monitor import TIMED_OUT, Monitor, probe_health
 from kvpush.proxy.rewrite import Backend, RequestError
 
 log = logging.getLogger("kvpush.proxy")
@@ -334,7 +334,18 @@ class Proxy:
         return changes
 
     def checked(self, role: str, state: BackendState, problem: str | None) -> None:
-        """Record a health check (problem None: it passed)."""
+        """Record a health check (problem None: it passed).
+
+        A check that timed out says the backend is slow, not gone: the last healthy backend
+        of a role is not ejected for that (ejecting it would turn one overloaded server into
+        a 503 for every request; its requests stay bounded by --request-timeout). Errors and
+        refused connections still eject it.
+        """
+        slow = problem is not None and problem.startswith(TIMED_OUT)
+        others = [s for s in self.pools[role] if s.healthy and s is not state]
+        if slow and state.healthy and not others:
+            log.info("%s backend %s: %s; kept, as the last healthy one", role, state.url, problem)
+            return
         change = self.pools[role].checked(state, problem is None, problem or "")
         if change is Change.EJECTED:
             self._ejected(role, state)

@@ -338,16 +338,30 @@ async def test_legs_on_a_backend_ejected_meanwhile_end_at_once_and_pull_prefill_
 
 
 async def test_a_decode_ejected_while_streaming_ends_the_stream_with_an_error() -> None:
-    async with rig(decode=1, health_interval=0.05, health_timeout=0.1, eject_after=2) as r:
-        r.decode[0].behaviour = StubBehaviour(token_gap=0.2, tokens=("a",) * 50)
+    async with rig(decode=2, health_interval=0.05, health_timeout=0.1, eject_after=2) as r:
+        for stub in r.decode:
+            stub.behaviour = StubBehaviour(token_gap=0.2, tokens=("a",) * 50)
         resp = await r.post({**BODY, "stream": True})
         assert resp.status == 200
         await resp.content.readline()
-        r.decode[0].behaviour.hang = True  # now /health hangs too
+        serving = next(stub for stub in r.decode if stub.received)
+        serving.behaviour.hang = True  # now /health hangs too
         started = time.monotonic()
         text = (await resp.read()).decode()
         assert time.monotonic() - started < 5
         assert "ejected while in flight" in text and text.endswith("data: [DONE]\n\n")
+
+
+async def test_the_last_healthy_decode_is_not_ejected_for_being_slow() -> None:
+    """One slow server must not turn into a 503 for every request: with no other decode
+    healthy, a /health that times out keeps it in rotation; an error still ejects it."""
+    async with rig(decode=1, health_interval=0.05, health_timeout=0.1, eject_after=2) as r:
+        only = r.state("decode", r.decode_urls[0])
+        r.decode[0].behaviour = StubBehaviour(hang=True)
+        await asyncio.sleep(0.6)  # several timed-out checks
+        assert only.healthy
+        r.decode[0].behaviour = StubBehaviour(status=500)
+        await eventually(lambda: not only.healthy)
 
 
 # -- load-aware choice and metrics ---------------------------------------------------------
