@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvpush.bench import plot, results, sweep
-from kvpush.plan.cli import format_table
+from kvpush.plan.cli import format_table, positive_list
+from kvpush.plan.model import PlanError
 from kvpush.testbed import demo
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.topology import MAIN_SETUPS, SETUPS
@@ -84,22 +86,16 @@ Interrupt it at any time: run the same command again and it resumes.
 """.format(", ".join(SETUPS))
 
 
-def floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
+def positive_numbers(kind: type[int] | type[float], flag: str) -> Callable[[str], list[Any]]:
+    """An argparse type for a comma-separated list, checked like `kvpush plan`'s."""
 
+    def parse(text: str) -> list[Any]:
+        try:
+            return positive_list(kind, flag, text)
+        except PlanError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-def ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+    return parse
 
 
 def add_sweep_arguments(
@@ -122,14 +118,14 @@ def add_sweep_arguments(
     )
     parser.add_argument(
         "--rates",
-        type=floats,
-        default=floats(d["rates"]),
+        type=positive_numbers(float, "--rates"),
+        default=positive_list(float, "--rates", d["rates"]),
         help=f"request rates in requests/s, Poisson arrivals (default {d['rates']})",
     )
     parser.add_argument(
         "--input-lens",
-        type=ints,
-        default=ints(d["input_lens"]),
+        type=positive_numbers(int, "--input-lens"),
+        default=positive_list(int, "--input-lens", d["input_lens"]),
         help=f"prompt lengths in tokens (default {d['input_lens']})",
     )
     parser.add_argument(

@@ -39,7 +39,7 @@ from kvpush.testbed.topology import (
     StartupError,
     StartupProgress,
     Topology,
-    TopologyConfig,
+    bench_pair,
 )
 
 # Counters kept as deltas over a run, besides every kvpush:* sample.
@@ -495,19 +495,16 @@ def run_group(
     written: list[dict[str, Any]] = []
     queue = list(points)
     while queue:
-        config = TopologyConfig(
-            model=spec.model,
-            setup=setup,
-            port=spec.port,
-            kv_port=spec.kv_port,
-            eager=True,
+        config = bench_pair(
+            spec.model,
+            setup,
+            spec.workdir,
+            "sweep",
+            spec.port,
+            spec.kv_port,
             max_num_seqs=spec.max_num_seqs,
             kv_cache_gib=spec.kv_cache_gib,
-            workdir=spec.workdir / "sweep" / setup,
-            extra_env={
-                "VLLM_CACHE_ROOT": str((spec.workdir / "vllm-cache").resolve()),
-                **spec.extra_env,
-            },
+            extra_env=spec.extra_env,
         )
         topology = Topology(config)
         try:

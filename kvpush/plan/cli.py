@@ -64,7 +64,8 @@ prefill work exceeds the GPUs' peak FLOPs, so the simulator does not reproduce t
 published TTFTs there; see kvpush/plan/simulate.py for what it includes and misses."""
 
 
-def _positive_list(kind: type[int] | type[float], flag: str, text: str) -> list[Any]:
+def positive_list(kind: type[int] | type[float], flag: str, text: str) -> list[Any]:
+    """Comma-separated positive numbers of a flag such as --rates; PlanError names the fix."""
     try:
         values = [kind(item) for item in text.split(",") if item.strip()]
     except ValueError:
@@ -583,8 +584,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             raise PlanError("--setup names a setup of a --profile; pass --profile too")
         else:
             params, modes = sim_params(args), _modes(args.modes)
-        rates = _positive_list(float, "--rates", args.rates)
-        lens = _positive_list(int, "--input-lens", args.input_lens)
+        rates = positive_list(float, "--rates", args.rates)
+        lens = positive_list(int, "--input-lens", args.input_lens)
 
         def progress(index: int, total: int, what: str) -> None:
             print(f"[{index}/{total}] {what}", file=sys.stderr, flush=True)

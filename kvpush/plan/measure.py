@@ -308,19 +308,18 @@ class Prober:
 
 
 def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
-    from kvpush.testbed.topology import StartupError, StartupProgress, Topology, TopologyConfig
+    from kvpush.testbed.topology import StartupError, StartupProgress, Topology, bench_pair
 
-    config = TopologyConfig(
-        model=spec.model,
-        setup=setup,
-        port=spec.port,
-        kv_port=spec.kv_port,
-        eager=True,
+    config = bench_pair(
+        spec.model,
+        setup,
+        spec.workdir,
+        "plan-measure",
+        spec.port,
+        spec.kv_port,
         max_num_seqs=spec.max_num_seqs,
         kv_cache_gib=spec.kv_cache_gib,
-        workdir=spec.workdir / "plan-measure" / setup,
         timed_hooks=True,
-        extra_env={"VLLM_CACHE_ROOT": str((spec.workdir / "vllm-cache").resolve())},
     )
     import aiohttp
 

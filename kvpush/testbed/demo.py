@@ -37,7 +37,7 @@ from kvpush.testbed.topology import (
     StartupError,
     StartupProgress,
     Topology,
-    TopologyConfig,
+    bench_pair,
     hook_dir,
     resolve_setup,
 )
@@ -394,16 +394,8 @@ def run_setup(
         print(f"\n== {setup}: skipped ({exc})", flush=True)
         return SetupReport(setup, "skipped", str(exc))
     print(f"\n== {setup}: starting 1 prefill + 1 decode (eager mode)", flush=True)
-    config = TopologyConfig(
-        model=model,
-        setup=setup,
-        port=args.port,
-        kv_port=args.kv_port,
-        eager=True,
-        workdir=args.workdir / label / setup,
-        timed_hooks=timed_hooks,
-        # One compile cache for every setup: the model is the same.
-        extra_env={"VLLM_CACHE_ROOT": str((args.workdir / "vllm-cache").resolve())},
+    config = bench_pair(
+        model, setup, args.workdir, label, args.port, args.kv_port, timed_hooks=timed_hooks
     )
     topology = Topology(config)
     for spec in topology.specs:

@@ -221,6 +221,37 @@ class TopologyConfig:
             raise ValueError("--kv-cache-gib and --max-num-seqs must be positive")
 
 
+def bench_pair(
+    model: Path,
+    setup: str,
+    workdir: Path,
+    label: str,
+    port: int,
+    kv_port: int,
+    max_num_seqs: int = 8,
+    kv_cache_gib: float = 1.0,
+    timed_hooks: bool = False,
+    extra_env: dict[str, str] | None = None,
+) -> TopologyConfig:
+    """The 1P1D eager pair every benchmark runs, logs under WORKDIR/LABEL/SETUP; all share
+    one compile cache (WORKDIR/vllm-cache), since the model is the same."""
+    return TopologyConfig(
+        model=model,
+        setup=setup,
+        port=port,
+        kv_port=kv_port,
+        eager=True,
+        max_num_seqs=max_num_seqs,
+        kv_cache_gib=kv_cache_gib,
+        workdir=workdir / label / setup,
+        timed_hooks=timed_hooks,
+        extra_env={
+            "VLLM_CACHE_ROOT": str((workdir / "vllm-cache").resolve()),
+            **(extra_env or {}),
+        },
+    )
+
+
 def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> list[ServerSpec]:
     """The servers a topology runs, with ports, engine ids, cores, argv and env."""
     available = sorted(cores if cores is not None else os.sched_getaffinity(0))
