@@ -151,11 +151,41 @@ def summarise_bench(raw: dict[str, Any]) -> dict[str, Any]:
     summary["errors"] = [
         {"error": text[:300], "count": n} for text, n in Counter(errors).most_common(3)
     ]
+    summary["one_burst"] = one_burst_share(raw)
     if completed == 0:
         # vLLM reports 0 for every latency when nothing completed; that is no measurement.
         for metric in METRICS:
             summary[metric] = {"mean": None, "p50": None, "p99": None}
     return summary
+
+
+ONE_BURST_MS = 1.0
+
+
+def one_burst_share(raw: dict[str, Any]) -> float | None:
+    """Share of the completed requests whose whole answer reached the client in one burst.
+
+    A request counts when its last token came less than `ONE_BURST_MS` after its first
+    although it has more than one token: something on the way (the server's front end, the
+    proxy, the client, a process waiting for a core) held the stream and let it go at once.
+    Its TTFT then carries the whole decode and its TPOT is ~0, so p50s of both mislead
+    where the share is large; E2E latency is unaffected. None without `--save-detailed`
+    data."""
+    ttfts, latencies = raw.get("ttfts"), raw.get("latencies")
+    outputs = raw.get("output_lens")
+    if not isinstance(ttfts, list) or not isinstance(latencies, list) or not ttfts:
+        return None
+    if not isinstance(outputs, list) or len(outputs) != len(ttfts):
+        outputs = [2] * len(ttfts)
+    done = [
+        (ttft, latency)
+        for ttft, latency, tokens in zip(ttfts, latencies, outputs, strict=False)
+        if ttft and latency and tokens and tokens > 1
+    ]
+    if not done:
+        return None
+    bursts = sum(1 for ttft, latency in done if (latency - ttft) * 1e3 < ONE_BURST_MS)
+    return bursts / len(done)
 
 
 def classify(summary: dict[str, Any], num_prompts: int) -> tuple[str, str | None]:

@@ -453,10 +453,14 @@ def describe(result: dict[str, Any]) -> str:
     if result["status"] != "ok":
         return f"{result['status']}: {result.get('reason')}"
     ttft, tpot = result.get("ttft") or {}, result.get("tpot") or {}
-    return (
+    line = (
         f"ok, TTFT p50 {_ms(ttft.get('p50'))} p99 {_ms(ttft.get('p99'))}, "
         f"TPOT p50 {_ms(tpot.get('p50'))} ms, {result.get('request_throughput') or 0:.2f} req/s"
     )
+    burst = result.get("one_burst")
+    if burst:
+        line += f", {burst:.0%} of answers in one burst (TTFT holds their decode)"
+    return line
 
 
 def _ms(value: float | None) -> str:

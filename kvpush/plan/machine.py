@@ -341,6 +341,8 @@ class Measured:
     ttft_p50: float | None
     tpot_p50: float | None
     e2el_p50: float | None
+    one_burst: float | None = None
+    """Median over the ok runs of the share of answers that arrived in one burst."""
 
 
 METRICS = ("ttft", "tpot", "e2el")
@@ -395,6 +397,7 @@ def measured_points(results: Sequence[Mapping[str, Any]]) -> list[Measured]:
                 ttft_p50=_median((r.get("ttft") or {}).get("p50") for r in ok),
                 tpot_p50=_median((r.get("tpot") or {}).get("p50") for r in ok),
                 e2el_p50=_median((r.get("e2el") or {}).get("p50") for r in ok),
+                one_burst=_median(r.get("one_burst") for r in ok),
             )
         )
     return points

@@ -76,7 +76,7 @@ def register(nested: Any) -> None:
     )
     m.add_argument("--prefill-requests", type=int, default=16, help="per length (default: 16)")
     m.add_argument(
-        "--decode-rounds", type=int, default=3, help="batches per step probe (default: 3)"
+        "--decode-rounds", type=int, default=5, help="batches per step probe (default: 5)"
     )
     m.add_argument("--hook-requests", type=int, default=6, help="per length (default: 6)")
     m.add_argument("--port", type=int, default=8000, help="base port (default: 8000)")
@@ -245,6 +245,7 @@ def render_check(rows: Sequence[CheckRow], limit: float = 0.25) -> str:
     headers = ["in", "qps", "setup", "result"]
     for name in ("TTFT", "TPOT", "E2E"):
         headers += [f"{name} p50", "predicted", "error"]
+    headers.append("1 burst")
     cells = []
     for row in sorted(
         rows, key=lambda r: (r.measured.input_len, r.measured.rate, r.measured.setup)
@@ -263,10 +264,13 @@ def render_check(rows: Sequence[CheckRow], limit: float = 0.25) -> str:
                 _ms(getattr(row, f"{metric}_p50"), digits),
                 _pct(row.error(metric)),
             ]
+        line.append("-" if m.one_burst is None else f"{m.one_burst:.0%}")
         cells.append(line)
     lines = [
         format_table(headers, cells),
-        "(ms; error = (predicted - measured) / measured; E2E = arrival to last token)",
+        "(ms; error = (predicted - measured) / measured; E2E = arrival to last token; "
+        "1 burst = share of answers whose tokens all reached the client at once, which "
+        "puts their decode into TTFT and none into TPOT)",
     ]
     for setup in sorted({r.measured.setup for r in rows}):
         mine = [r for r in rows if r.measured.setup == setup]
@@ -296,6 +300,7 @@ def check_json(rows: Sequence[CheckRow]) -> list[dict[str, Any]]:
             "measured": {f"{m}_p50": getattr(r.measured, f"{m}_p50") for m in METRICS},
             "predicted": {f"{m}_p50": getattr(r, f"{m}_p50") for m in METRICS},
             "error": {f"{m}_p50": r.error(m) for m in METRICS},
+            "one_burst": r.measured.one_burst,
         }
         for r in rows
     ]

@@ -91,6 +91,25 @@ def test_vllm_bench_output_is_summarised() -> None:
     assert summary["itl"]["p99"] == pytest.approx(11.590, abs=1e-3)
     assert summary["request_throughput"] == pytest.approx(3.874, abs=1e-3)
     assert results.classify(summary, 16) == ("ok", None)
+    assert summary["one_burst"] is None  # recorded without --save-detailed
+
+
+def test_answers_that_arrive_in_one_burst_are_counted() -> None:
+    data = raw()
+    # four 32-token answers: two streamed, one whole at once, one failed (zeros)
+    data.update(
+        ttfts=[0.040, 0.035, 0.139, 0.0],
+        latencies=[0.140, 0.130, 0.1392, 0.0],
+        output_lens=[32, 32, 32, 0],
+    )
+    summary = results.summarise_bench(data)
+    assert summary["one_burst"] == pytest.approx(1 / 3)
+    line = sweep.describe({"status": "ok", **summary})
+    assert "33% of answers in one burst" in line
+    # one-token answers cannot tell
+    data.update(output_lens=[1, 1, 1, 0])
+    assert results.summarise_bench(data)["one_burst"] is None
+    assert "burst" not in sweep.describe({"status": "ok", **results.summarise_bench(raw())})
 
 
 def test_failed_and_timed_out_requests_are_classified_with_their_reason() -> None:
