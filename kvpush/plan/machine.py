@@ -4,13 +4,12 @@ A `MachineProfile` holds what `kvpush plan measure` measured on one machine, per
 setup, on that setup's own 1P1D servers but without a handoff (`kvpush/plan/measure.py`):
 
 - prefill: vLLM's engine-side prefill time (`vllm:request_prefill_time_seconds`) of
-  one prompt at a time, per prompt length, on the prefill server;
+  one prompt at a time, per prompt length, on the prefill server (median over prompts);
 - front end: the same requests' latency at the client minus the engine's queue and
-  prefill time: HTTP, tokenisation, the engine's inbound and outbound queues;
-- decode step: on the decode server, batches of 1 and `max_num_seqs` local requests run
-  to two output lengths; the difference of vLLM's engine-side decode time
-  (`vllm:request_decode_time_seconds`) over the difference in tokens is one step, free
-  of the prefill steps at the start;
+  prefill time: HTTP, tokenisation, the engine's inbound and outbound queues (median);
+- decode step: on the decode server, batches of 1 and `max_num_seqs` streamed local
+  requests; the median TPOT the client saw, i.e. the engine's step plus each token's way
+  out through the front end (the engine-side step is kept in `extra`, for the record);
 - pull's inline submission: the decode worker's main-thread time in the connector's
   `start_load_kv` hook per handed-off request (`kvpush.bench.timed`), beyond what the hook
   costs in a step with nothing to load; only the hook's time is used, never the latency

@@ -36,15 +36,16 @@ examples:
 
 Each setup's 1P1D servers are started as `kvpush bench sweep` starts them and probed
 without a handoff: prefill time and front-end time of prompts sent one at a time, decode
-step time at batch 1 and --max-num-seqs, and the decode worker's main-thread time in
-start_load_kv per handed-off request (hook time only; never a TTFT or TPOT). Ports:
+step time at batch 1 and --max-num-seqs as a streaming client sees it (local requests),
+and the decode worker's main-thread time in start_load_kv per handed-off request (hook
+time only; never a TTFT or TPOT of a handed-off request). Medians throughout. Ports:
 prefill PORT+100, decode PORT+200, the probe's proxy --proxy-port (default PORT), NIXL
 side channels from --kv-port. About 2-3 minutes per setup on 2 cores."""
 
 CHECK_EPILOG = """\
 examples:
   kvpush plan check results/sweep --profile profile.json
-  kvpush plan check tests/data/plan/sweep1 --profile tests/data/plan/profile.json --plot c.png
+  kvpush plan check tests/data/plan/sweep2 --profile tests/data/plan/profile.json --plot c.png
 
 error = (predicted - measured) / measured, of the p50 (for the measurement: the median
 over iterations of each ok run's p50; for the prediction: the median over --seeds arrival
@@ -72,7 +73,8 @@ def register(nested: Any) -> None:
     m.add_argument(
         "--output-lens",
         default="16,80",
-        help="two output lengths for the decode step (default: 16,80)",
+        help="two output lengths for the decode step probe; the client's TPOT is taken at the "
+        "longer, the engine's step from the difference (default: 16,80)",
     )
     m.add_argument("--prefill-requests", type=int, default=16, help="per length (default: 16)")
     m.add_argument(

@@ -5,12 +5,18 @@ sweep` does (`kvpush/testbed/topology.py`, eager, prefix caching off on decode),
 connector's hooks timed (`kvpush.bench.timed`), and measures, per prompt length:
 
 1. prefill: `--prefill-requests` prompts, one at a time, straight to the prefill server
-   with max_tokens 1. vLLM's own histograms give the engine's queue and prefill time;
-   the client's latency minus those is the front end's time (HTTP, tokenisation, the
-   engine's queues in and out).
-2. decode step: on the decode server, 1 and then `--max-num-seqs` local requests at once,
-   run to two output lengths; vLLM's engine-side decode time difference over the token
-   difference is one decode step at that batch, without the prefill steps at the start.
+   with max_tokens 1, the server scraped after each. vLLM's own histograms give each
+   request's engine queue and prefill time; the client's latency minus those is the
+   front end's time (HTTP, tokenisation, the engine's queues in and out). Both are the
+   median over the prompts, so one request that lost its core for a while does not move
+   them.
+2. decode step: on the decode server, `--decode-rounds` rounds of 1 and then
+   `--max-num-seqs` local streamed requests at once; the median of their TPOT as the
+   client sees it ((last token - first token) / (tokens - 1), as `vllm bench serve`
+   computes it) is one decode step at that batch. That is the engine's step plus what
+   each token costs on its way out (detokenising and streaming in the front end), which
+   on a CPU machine is a large share: the engine-side step (vLLM's decode time at two
+   output lengths, differenced) is kept in the profile for the record, not used.
 3. pull's inline submission: `--hook-requests` handed-off requests through an in-process
    proxy, one at a time; the decode worker's main-thread time in `start_load_kv` beyond
    what that hook costs in a step with nothing to load, per request. Only this hook time
@@ -53,9 +59,10 @@ if TYPE_CHECKING:
 
 Say = Callable[[str], None]
 
-# `kvpush proxy bench --streams 1 --seconds 2 --repeats 3` on this machine, 2026-11-29,
-# load average 13-16: through the proxy minus straight to the decode stub, p50 TTFT.
-PROXY_ADDED_MS = {"pull": 3.03, "push": 3.83}
+# `kvpush proxy bench --mode pull|push --streams 1` on this machine, 2026-11-29 16:48,
+# load average 1.2-1.4: p50 TTFT through the proxy minus without it (pull: prefill then
+# decode stub, push: the decode stub alone).
+PROXY_ADDED_MS = {"pull": 1.05, "push": 0.97}
 # ../shared/ENVIRONMENT.md: NIXL DRAM->DRAM WRITE 12-13 GB/s between two processes (READ
 # is faster, 16-17); one-process memcpy 19.8 GB/s.
 NIXL_DRAM_GBPS = 12.5
@@ -71,7 +78,7 @@ class MeasureSpec:
     max_num_seqs: int = 8
     output_lens: tuple[int, int] = (16, 80)
     prefill_requests: int = 16
-    decode_rounds: int = 3
+    decode_rounds: int = 5
     hook_requests: int = 6
     port: int = 8000
     proxy_port: int | None = None
@@ -155,16 +162,20 @@ class Prober:
         )
         return [str(sample.prompt) for sample in samples]
 
-    async def complete(
-        self, session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
-    ) -> float:
-        body = {
+    def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        """A greedy completion of exactly `max_tokens` tokens."""
+        return {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
         }
+
+    async def complete(
+        self, session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
+    ) -> float:
+        body = self.body(prompt, max_tokens)
         started = time.perf_counter()
         async with session.post(url + "/v1/completions", json=body) as resp:
             text = await resp.text()
@@ -184,37 +195,103 @@ class Prober:
         time.sleep(1.2)  # ledgers are written every half second
         return read_ledgers(hook_dir(self.topology.config, server))
 
+    def scrape_after(
+        self, url: str, before: dict[Any, float], name: str, count: int
+    ) -> dict[Any, float]:
+        """A scrape that shows `count` new observations of histogram `name` since `before`.
+
+        vLLM records a request's histograms as its output is processed, which can be just
+        after the client has its answer; wait up to a second for them."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            after = self.scrape(url)
+            if metric_delta(before, after, f"{name}_count") >= count:
+                return after
+            if time.monotonic() > deadline:
+                raise PlanError(
+                    f"vLLM at {url} recorded fewer than {count} new {name}; is this vLLM "
+                    "too old, or did another client use the server during the probe?"
+                )
+            time.sleep(0.02)
+
     async def prefill(self, session: aiohttp.ClientSession, input_len: int) -> tuple[float, float]:
-        """(engine prefill ms, front-end ms) of prompts sent one at a time."""
+        """(engine prefill ms, front-end ms), the medians over prompts sent one at a time.
+
+        Each request is scraped on its own, so one slow request (a page fault, a moment
+        without a core) moves the result no more than any other: medians, not means."""
         prompts = self.prompts(self.spec.prefill_requests + 1, input_len, salt=1)
         await self.complete(session, self.prefill_url, prompts[0], 1)
+        name = "vllm:request_prefill_time_seconds"
+        engine, front = [], []
+        await asyncio.sleep(0.2)  # let the warm-up's histograms land first
         before = self.scrape(self.prefill_url)
-        latencies = [
-            await self.complete(session, self.prefill_url, prompt, 1) for prompt in prompts[1:]
-        ]
-        after = self.scrape(self.prefill_url)
-        prefill = histogram_mean_ms(before, after, "vllm:request_prefill_time_seconds")
-        queue = histogram_mean_ms(before, after, "vllm:request_queue_time_seconds")
-        return prefill, statistics.fmean(latencies) * 1e3 - prefill - queue
+        for prompt in prompts[1:]:
+            latency = await self.complete(session, self.prefill_url, prompt, 1)
+            after = self.scrape_after(self.prefill_url, before, name, 1)
+            prefill = histogram_mean_ms(before, after, name)
+            queue = histogram_mean_ms(before, after, "vllm:request_queue_time_seconds")
+            engine.append(prefill)
+            front.append(latency * 1e3 - prefill - queue)
+            before = after
+        return statistics.median(engine), statistics.median(front)
+
+    async def stream(
+        self, session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
+    ) -> float | None:
+        """Stream one completion; its TPOT as `vllm bench serve` computes it, (last token -
+        first token) / (tokens - 1), in ms. None when every token came in one burst."""
+        body = {**self.body(prompt, max_tokens), "stream": True}
+        first = last = 0.0
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                raise PlanError(f"probe request to {url} failed: HTTP {resp.status}: {text[:300]}")
+            async for chunk in resp.content.iter_any():
+                if b'"text"' in chunk:
+                    last = time.perf_counter()
+                    first = first or last
+        if last - first < 1e-3:
+            return None
+        return (last - first) * 1e3 / (max_tokens - 1)
 
     async def decode_step(
         self, session: aiohttp.ClientSession, input_len: int, batch: int
-    ) -> float:
-        """One decode step (ms) at `batch` running requests with prompts of `input_len`."""
+    ) -> tuple[float, float]:
+        """One decode step (ms) at `batch` running requests with prompts of `input_len`:
+        (as the client sees it, as the engine sees it).
+
+        The client's: `--decode-rounds` rounds of `batch` streamed local requests of the
+        longer output length at once; the median over them of each one's TPOT. It holds
+        what every token costs on its way out (the front end's detokenising and
+        streaming), which is what a benchmark's TPOT measures. The engine's, for the
+        record: vLLM's engine-side decode time at both output lengths (median over
+        rounds), differenced and divided by the token difference."""
         short, long = self.spec.output_lens
+        name = "vllm:request_decode_time_seconds"
         per_request: dict[int, float] = {}
+        client: list[float] = []
         for salt, tokens in enumerate((short, long), start=2):
+            rounds = []
+            await asyncio.sleep(0.2)
             before = self.scrape(self.decode_url)
             for round_ in range(self.spec.decode_rounds):
                 prompts = self.prompts(batch, input_len, salt=10 * salt + round_)
-                await asyncio.gather(
-                    *(self.complete(session, self.decode_url, p, tokens) for p in prompts)
+                tpots = await asyncio.gather(
+                    *(self.stream(session, self.decode_url, p, tokens) for p in prompts)
                 )
-            after = self.scrape(self.decode_url)
-            per_request[tokens] = histogram_mean_ms(
-                before, after, "vllm:request_decode_time_seconds"
+                if tokens == long:
+                    client += [t for t in tpots if t is not None]
+                after = self.scrape_after(self.decode_url, before, name, batch)
+                rounds.append(histogram_mean_ms(before, after, name))
+                before = after
+            per_request[tokens] = statistics.median(rounds)
+        engine = (per_request[long] - per_request[short]) / (long - short)
+        if not client:
+            raise PlanError(
+                f"every probe answer on {self.decode_url} arrived in one burst, so no TPOT "
+                "could be measured; the machine is too busy, run `kvpush plan measure` again"
             )
-        return (per_request[long] - per_request[short]) / (long - short)
+        return statistics.median(client), engine
 
     async def handoffs(
         self, session: aiohttp.ClientSession, proxy_url: str, input_len: int
@@ -250,6 +327,7 @@ class Prober:
         timeout = aiohttp.ClientTimeout(total=spec.request_timeout)
         prefill: dict[int, tuple[float, float]] = {}
         steps: dict[int, dict[int, float]] = {}
+        engine_steps: dict[str, float] = {}
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for url in (self.prefill_url, self.decode_url):
                 await self.complete(session, url, "warm up", 4)
@@ -262,9 +340,12 @@ class Prober:
                 )
                 steps[n] = {}
                 for batch in sorted({1, spec.max_num_seqs}):
-                    steps[n][batch] = await self.decode_step(session, n, batch)
+                    steps[n][batch], engine_steps[f"{n}x{batch}"] = await self.decode_step(
+                        session, n, batch
+                    )
                     say(
                         f"  [{setup}] {n} tokens: decode step {steps[n][batch]:.2f} ms at "
+                        f"the client ({engine_steps[f'{n}x{batch}']:.2f} in the engine) at "
                         f"batch {batch}"
                     )
             idle_after = hook_seconds(self.hooks("decode-0"), "start_load_kv")
@@ -304,7 +385,8 @@ class Prober:
             PointProbe(n, prefill[n][0], prefill[n][1], steps[n], submits[n], transfers[n])
             for n in spec.input_lens
         )
-        return SetupProbe(setup, mode, points, {"hook_totals": hook_totals})
+        extra = {"hook_totals": hook_totals, "engine_step_ms": engine_steps}
+        return SetupProbe(setup, mode, points, extra)
 
 
 def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
