@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpush.bench.results import ONE_BURST_MS
 from kvpush.plan.machine import (
     MachineProfile,
     PointProbe,
@@ -137,6 +138,13 @@ def submit_beyond_idle(busy: tuple[float, int], idle: tuple[float, int], request
     return max(seconds - calls * idle_per_call, 0.0) / requests * 1e3
 
 
+async def _answered(resp: aiohttp.ClientResponse, url: str) -> None:
+    """Raise PlanError naming the server's answer unless a probe request succeeded."""
+    if resp.status != 200:
+        text = await resp.text()
+        raise PlanError(f"probe request to {url} failed: HTTP {resp.status}: {text[:300]}")
+
+
 class Prober:
     """The probes of one setup, on its running topology."""
 
@@ -178,9 +186,8 @@ class Prober:
         body = self.body(prompt, max_tokens)
         started = time.perf_counter()
         async with session.post(url + "/v1/completions", json=body) as resp:
-            text = await resp.text()
-            if resp.status != 200:
-                raise PlanError(f"probe request to {url} failed: HTTP {resp.status}: {text[:300]}")
+            await _answered(resp, url)
+            await resp.read()
         return time.perf_counter() - started
 
     def scrape(self, url: str) -> dict[Any, float]:
@@ -243,14 +250,12 @@ class Prober:
         body = {**self.body(prompt, max_tokens), "stream": True}
         first = last = 0.0
         async with session.post(url + "/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                text = await resp.text()
-                raise PlanError(f"probe request to {url} failed: HTTP {resp.status}: {text[:300]}")
+            await _answered(resp, url)
             async for chunk in resp.content.iter_any():
                 if b'"text"' in chunk:
                     last = time.perf_counter()
                     first = first or last
-        if last - first < 1e-3:
+        if (last - first) * 1e3 < ONE_BURST_MS:
             return None
         return (last - first) * 1e3 / (max_tokens - 1)
 
