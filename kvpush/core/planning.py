@@ -1,26 +1,31 @@
 """Descriptor planning: which bytes of one side's KV memory land where on the other side.
 
-A `KVLayout` describes the KV cache of one TP rank: several equally shaped regions (one per
-layer, or one per layer and K/V), each an array of blocks; a block holds `block_size` tokens
-of `num_heads` heads of `head_dim` elements, stored token-major ("NHD": token, head, dim) or
-head-major ("HND": head, token, dim). `plan_transfer` turns "the first `num_tokens` tokens of
-this request, in these blocks here, into those blocks there" into (src_addr, dst_addr,
-length) descriptors, merged wherever both sides are contiguous, because every descriptor
-costs time at post (fragmented KV turned 118 descriptors into 18,880 in vLLM).
+A `KVLayout` describes the KV cache of one TP rank as vLLM laid it out: one region per
+layer, each an array of blocks; a block holds `block_size` tokens of `num_heads` head
+slots, and one head of one token is a `unit_bytes`-long run (K and V together for normal
+attention, the latent vector for MLA). Where block, head and token sit is given by three
+byte strides, so every layout vLLM can build (heads or tokens outermost inside a block,
+layers inside blocks, heads outside blocks, padded pages) is the same description with
+other numbers; nothing here guesses from tensor shapes.
 
-All regions share one geometry, so the block walk runs once, in offsets from a region's
-base, and its result is shifted per region; the cost follows the number of descriptors,
-never the number of bytes.
+`plan_transfer` turns "tokens [first_token, num_tokens) of this request, in these blocks
+here, into those blocks there" into (src_addr, dst_addr, length) descriptors, merged
+wherever both sides are contiguous, because every descriptor costs time at post
+(fragmented KV turned 118 descriptors into 18,880 in vLLM). All regions share one
+geometry, so the block walk runs once, in offsets from a region's base, and its result is
+shifted per region; the cost follows the number of descriptors, never the number of bytes.
+
+Tensor parallelism: a model's `total_heads` distinct KV heads are split evenly over the TP
+ranks, or, with fewer heads than ranks (and always for MLA, whose one latent "head" every
+rank holds), each rank holds one head that `tp / total_heads` consecutive ranks share, as
+vLLM does. `sources` says which producer rank sends which heads to a consumer rank: each
+head comes from exactly one producer, replicas taking turns across consumers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
-
-Order = Literal["NHD", "HND"]
-ORDERS: tuple[Order, ...] = ("NHD", "HND")
 
 Descriptor = tuple[int, int, int]
 """(src_addr, dst_addr, length) in bytes."""
@@ -34,59 +39,132 @@ class PlanError(ValueError):
 class KVLayout:
     """The KV memory of one TP rank.
 
-    `block_stride` is the distance in bytes between consecutive blocks of a region; 0 means
-    blocks are packed (stride = block_bytes). A larger stride describes caches that
-    interleave K and V per block (e.g. FlashInfer's (num_blocks, 2, ...) tensors): K and V
-    then become two regions whose bases differ by block_bytes.
+    Head `h` of token `t` of block `b` in region `r` starts at
+    `region_bases[r] + b * block_stride + h * head_stride + t * token_stride` and is
+    `unit_bytes` long. Blocks are the attention kernel's; one block id of vLLM's scheduler
+    covers `sub_blocks` consecutive ones (vLLM splits a scheduler block into kernel blocks
+    when the backend needs smaller ones).
     """
 
     region_bases: tuple[int, ...]
     num_blocks: int
     block_size: int
     num_heads: int
-    head_dim: int
-    elem_size: int
-    order: Order = "NHD"
-    block_stride: int = 0
+    unit_bytes: int
+    block_stride: int
+    head_stride: int
+    token_stride: int
+    total_heads: int
+    sub_blocks: int = 1
 
     def __post_init__(self) -> None:
         if not self.region_bases:
             raise PlanError("KV layout has no regions; register at least one KV cache tensor")
-        for name in ("num_blocks", "block_size", "num_heads", "head_dim", "elem_size"):
+        for name in (
+            "num_blocks",
+            "block_size",
+            "num_heads",
+            "unit_bytes",
+            "block_stride",
+            "head_stride",
+            "token_stride",
+            "total_heads",
+            "sub_blocks",
+        ):
             value = getattr(self, name)
             if value <= 0:
                 raise PlanError(f"KV layout {name} must be positive, got {value}")
         if any(base < 0 for base in self.region_bases):
             raise PlanError("KV layout region base addresses must be non-negative")
-        if self.order not in ORDERS:
-            raise PlanError(f"KV layout order must be one of {ORDERS}, got {self.order!r}")
-        if self.block_stride != 0 and self.block_stride < self.block_bytes:
+        if self.num_blocks % self.sub_blocks:
             raise PlanError(
-                f"KV layout block_stride {self.block_stride} is smaller than one block "
-                f"({self.block_bytes} bytes); use 0 for packed blocks"
+                f"KV layout has {self.num_blocks} kernel blocks, not a multiple of "
+                f"{self.sub_blocks} per scheduler block"
             )
+        problem = _overlap(self)
+        if problem:
+            raise PlanError(f"KV layout cells overlap: {problem}")
 
     @property
     def num_regions(self) -> int:
         return len(self.region_bases)
 
     @property
-    def head_bytes(self) -> int:
-        """Bytes of one head of one token: the unit every descriptor is made of."""
-        return self.head_dim * self.elem_size
+    def block_tokens(self) -> int:
+        """Tokens of one scheduler block (the unit block ids count in)."""
+        return self.block_size * self.sub_blocks
+
+    @property
+    def scheduler_blocks(self) -> int:
+        """How many block ids the scheduler hands out: valid ids are 0..this-1."""
+        return self.num_blocks // self.sub_blocks
 
     @property
     def block_bytes(self) -> int:
-        return self.block_size * self.num_heads * self.head_bytes
-
-    @property
-    def stride(self) -> int:
-        return self.block_stride or self.block_bytes
+        """Bytes of KV one kernel block of one region holds (padding excluded)."""
+        return self.block_size * self.num_heads * self.unit_bytes
 
     @property
     def region_bytes(self) -> int:
-        """Bytes from a region's base to the end of its last block."""
-        return (self.num_blocks - 1) * self.stride + self.block_bytes
+        """Bytes from a region's base to the end of its last cell."""
+        last = (
+            (self.num_blocks - 1) * self.block_stride
+            + (self.num_heads - 1) * self.head_stride
+            + (self.block_size - 1) * self.token_stride
+        )
+        return last + self.unit_bytes
+
+    @property
+    def head_major(self) -> bool:
+        """Inside a block, heads are outermost (HND) rather than tokens (NHD)."""
+        return self.head_stride > self.token_stride
+
+    def block_chunks(self) -> tuple[tuple[int, int], ...]:
+        """The contiguous (offset, length) runs one block's cells make, in address order.
+
+        One run when a block is dense (vLLM's block-contiguous layouts), one per head when
+        heads sit outside blocks, one per cell in the worst case.
+        """
+        dims = sorted(
+            ((s, n) for s, n in ((self.token_stride, self.block_size),
+                                 (self.head_stride, self.num_heads)) if n > 1),
+        )  # fmt: skip
+        unit = self.unit_bytes
+        if not dims:
+            return ((0, unit),)
+        if dims[0][0] != unit:
+            cells = [
+                h * self.head_stride + t * self.token_stride
+                for h in range(self.num_heads)
+                for t in range(self.block_size)
+            ]
+            return tuple((c, unit) for c in sorted(cells))
+        inner = dims[0][1] * unit
+        if len(dims) == 1:
+            return ((0, inner),)
+        outer_stride, outer_count = dims[1]
+        if outer_stride == inner:
+            return ((0, inner * outer_count),)
+        return tuple((i * outer_stride, inner) for i in range(outer_count))
+
+
+def _overlap(layout: KVLayout) -> str | None:
+    """Why two cells of `layout` would share bytes (None when none do)."""
+    dims = sorted(
+        (stride, count, name)
+        for stride, count, name in (
+            (layout.token_stride, layout.block_size, "token"),
+            (layout.head_stride, layout.num_heads, "head"),
+            (layout.block_stride, layout.num_blocks, "block"),
+        )
+        if count > 1
+    )
+    extent = layout.unit_bytes
+    for stride, count, name in dims:
+        if stride < extent:
+            return f"{name} stride {stride} is below the {extent} bytes the inner dimensions span"
+        extent = stride * count
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +198,22 @@ class WritePlan:
     def summary(self) -> PlanSummary:
         return PlanSummary(len(self.regions), self.num_descriptors, self.total_bytes)
 
+    def descriptors(self) -> list[Descriptor]:
+        """Every descriptor, joined across regions where both sides continue each other
+        (layouts that put all layers of a block together move a block as one run)."""
+        return coalesce([d for region in self.regions for d in region])
+
+
+def coalesce(descriptors: Sequence[Descriptor]) -> list[Descriptor]:
+    """`descriptors` in source order, adjacent ones (on both sides) joined."""
+    out: list[Descriptor] = []
+    for s, d, n in sorted(descriptors):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((s, d, n))
+    return out
+
 
 def merge_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
     """Runs of consecutive ascending ids as (first_id, count): [4, 5, 6, 9] -> [(4, 3), (9, 1)]."""
@@ -133,21 +227,53 @@ def merge_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def tp_problem(total_heads: int, tp_size: int) -> str | None:
+    """Why `total_heads` KV heads cannot be split over `tp_size` ranks (None if they can)."""
+    if total_heads >= tp_size and total_heads % tp_size:
+        return f"{total_heads} KV heads do not split evenly over TP {tp_size}"
+    if total_heads < tp_size and tp_size % total_heads:
+        return f"TP {tp_size} is not a multiple of the model's {total_heads} KV heads"
+    return None
+
+
+def heads_per_rank(total_heads: int, tp_size: int) -> int:
+    return max(1, total_heads // tp_size)
+
+
 def head_range(rank: int, tp_size: int, total_heads: int) -> tuple[int, int]:
-    """The [first, end) global KV heads held by `rank` when heads are split evenly."""
-    per_rank = total_heads // tp_size
-    return rank * per_rank, (rank + 1) * per_rank
+    """The [first, end) global KV heads held by `rank` (replicated heads: shared ranks)."""
+    if total_heads >= tp_size:
+        per_rank = total_heads // tp_size
+        return rank * per_rank, (rank + 1) * per_rank
+    head = rank // (tp_size // total_heads)
+    return head, head + 1
 
 
-def peer_ranks(rank: int, tp_size: int, peer_tp_size: int) -> range:
-    """Ranks of the other side whose heads overlap `rank`'s heads.
+def sources(
+    rank: int, tp_size: int, src_tp: int, total_heads: int
+) -> dict[int, tuple[int, int]]:
+    """Producer ranks (of `src_tp`) that send consumer `rank` (of `tp_size`) its heads, and
+    the [first, end) global heads each sends.
 
-    On decode this is the set of producer ranks whose completions to wait for; on prefill,
-    the decode ranks to write to.
+    Every head comes from exactly one producer; where producers replicate a head, consumer
+    ranks take turns, so replicas share the work.
     """
-    first = rank * peer_tp_size // tp_size
-    end = -(-(rank + 1) * peer_tp_size // tp_size)
-    return range(first, end)
+    first, end = head_range(rank, tp_size, total_heads)
+    chosen: dict[int, tuple[int, int]] = {}
+    for head in range(first, end):
+        if total_heads >= src_tp:
+            src = head // (total_heads // src_tp)
+        else:
+            replicas = src_tp // total_heads
+            src = head * replicas + rank % replicas
+        lo, _ = chosen.get(src, (head, head))
+        chosen[src] = (lo, head + 1)
+    return chosen
+
+
+def destinations(src_rank: int, src_tp: int, tp_size: int, total_heads: int) -> list[int]:
+    """Consumer ranks (of `tp_size`) that `src_rank` sends heads to (`sources` inverted)."""
+    return [r for r in range(tp_size) if src_rank in sources(r, tp_size, src_tp, total_heads)]
 
 
 def check_mappable(
@@ -156,32 +282,42 @@ def check_mappable(
     """Why KV laid out as `a` cannot be copied into `b` (None when it can)."""
     if a.num_regions != b.num_regions:
         return (
-            f"{a_name} has {a.num_regions} KV regions, {b_name} {b.num_regions}: both sides "
-            "must serve the same model and register KV per layer the same way"
+            f"{a_name} has {a.num_regions} KV layers, {b_name} {b.num_regions}: both sides "
+            "must serve the same model"
         )
-    if a.head_dim != b.head_dim:
+    if a.unit_bytes != b.unit_bytes:
         return (
-            f"{a_name} head_dim {a.head_dim} != {b_name} head_dim {b.head_dim}: "
-            "serve the same model on both sides"
+            f"{a_name} stores {a.unit_bytes} bytes per head and token, {b_name} "
+            f"{b.unit_bytes}: serve the same model with the same KV cache dtype on both sides"
         )
-    if a.elem_size != b.elem_size:
+    if a.total_heads != b.total_heads:
         return (
-            f"{a_name} stores {a.elem_size}-byte KV elements, {b_name} {b.elem_size}-byte: "
-            "use the same KV cache dtype on both sides"
+            f"{a_name} holds a model with {a.total_heads} KV heads, {b_name} "
+            f"{b.total_heads}: serve the same model on both sides"
         )
-    if a.order != b.order:
+    for name, layout, tp in ((a_name, a, a_tp), (b_name, b, b_tp)):
+        problem = tp_problem(layout.total_heads, tp)
+        if problem:
+            return f"{name}: {problem}"
+        if layout.num_heads != heads_per_rank(layout.total_heads, tp):
+            return (
+                f"{name} holds {layout.num_heads} KV heads per rank, but {layout.total_heads} "
+                f"heads over TP {tp} give {heads_per_rank(layout.total_heads, tp)}"
+            )
+    if _interior(a) is not None and _interior(b) is not None and a.head_major != b.head_major:
+        order = {True: "head-major (HND)", False: "token-major (NHD)"}
         return (
-            f"{a_name} KV layout is {a.order}, {b_name} {b.order}: mixed layouts would move "
-            "one head of one token per descriptor; use the same KV cache layout on both sides"
-        )
-    a_total, b_total = a.num_heads * a_tp, b.num_heads * b_tp
-    if a_total != b_total:
-        return (
-            f"{a_name} holds {a.num_heads} KV heads x TP {a_tp} = {a_total}, {b_name} "
-            f"{b.num_heads} x TP {b_tp} = {b_total}: serve the same model, and use TP sizes "
-            "that divide its KV head count (replicated KV heads are not supported)"
+            f"{a_name} lays out blocks {order[a.head_major]}, {b_name} "
+            f"{order[b.head_major]}: every head of every token would be its own descriptor; "
+            "use the same KV cache layout on both sides (vLLM's VLLM_KV_CACHE_LAYOUT)"
         )
     return None
+
+
+def _interior(layout: KVLayout) -> bool | None:
+    """Whether heads are outermost inside a block; None when a block has one head or one
+    token, where both orders are the same."""
+    return layout.head_major if layout.num_heads > 1 and layout.block_size > 1 else None
 
 
 def plan_transfer(
@@ -191,41 +327,42 @@ def plan_transfer(
     dst_blocks: Sequence[int],
     num_tokens: int,
     *,
+    first_token: int = 0,
     src_rank: int = 0,
     src_tp: int = 1,
     dst_rank: int = 0,
     dst_tp: int = 1,
 ) -> WritePlan:
-    """Descriptors copying the first `num_tokens` tokens from `src_blocks` to `dst_blocks`.
+    """Descriptors copying tokens [first_token, num_tokens) from `src_blocks` to
+    `dst_blocks`.
 
-    Only the heads held by both `src_rank` (of `src_tp`) and `dst_rank` (of `dst_tp`) move;
-    `peer_ranks` tells which rank pairs share heads. Block ids beyond what `num_tokens`
-    needs are ignored, and nothing outside the needed destination blocks is written.
+    Each side's block list begins with the scheduler block that holds `first_token` on
+    that side (a decode with a prefix-cache hit lists only its uncached tail). Only the
+    heads `sources` assigns to this rank pair move. Block ids beyond what the tokens need
+    are ignored, and nothing outside the needed destination cells is written.
     """
     problem = check_mappable(src, dst, src_tp, dst_tp)
     if problem:
         raise PlanError(problem)
     _check_rank("source", src_rank, src_tp)
     _check_rank("destination", dst_rank, dst_tp)
-    if num_tokens < 0:
-        raise PlanError(f"num_tokens must be non-negative, got {num_tokens}")
-    src_used = _used_blocks("source", src, src_blocks, num_tokens)
-    dst_used = _used_blocks("destination", dst, dst_blocks, num_tokens)
-
-    total_heads = src.num_heads * src_tp
-    src_first, src_end = head_range(src_rank, src_tp, total_heads)
-    dst_first, dst_end = head_range(dst_rank, dst_tp, total_heads)
-    first, end = max(src_first, dst_first), min(src_end, dst_end)
-    if first >= end:
+    if not 0 <= first_token <= num_tokens:
         raise PlanError(
-            f"source rank {src_rank}/{src_tp} (heads {src_first}-{src_end - 1}) and "
-            f"destination rank {dst_rank}/{dst_tp} (heads {dst_first}-{dst_end - 1}) share "
-            "no KV heads; plan only for pairs from peer_ranks()"
+            f"tokens [{first_token}, {num_tokens}) are no range: first_token must be "
+            "between 0 and num_tokens"
         )
+    heads = sources(dst_rank, dst_tp, src_tp, src.total_heads)
+    if src_rank not in heads:
+        raise PlanError(
+            f"source rank {src_rank}/{src_tp} sends no KV heads to destination rank "
+            f"{dst_rank}/{dst_tp}; plan only for pairs from sources()"
+        )
+    first, end = heads[src_rank]
     pattern = _region_pattern(
-        _Side(src, src_used, first - src_first),
-        _Side(dst, dst_used, first - dst_first),
+        _Side.of(src, "source", src_blocks, src_rank, src_tp, first, first_token, num_tokens),
+        _Side.of(dst, "destination", dst_blocks, dst_rank, dst_tp, first, first_token, num_tokens),
         end - first,
+        first_token,
         num_tokens,
     )
     return WritePlan(
@@ -241,79 +378,128 @@ def _check_rank(side: str, rank: int, tp_size: int) -> None:
         raise PlanError(f"{side} TP rank {rank} is outside TP size {tp_size}")
 
 
-def _used_blocks(
-    side: str, layout: KVLayout, block_ids: Sequence[int], num_tokens: int
-) -> Sequence[int]:
-    needed = -(-num_tokens // layout.block_size)
-    if len(block_ids) < needed:
-        raise PlanError(
-            f"{side} has {len(block_ids)} blocks for {num_tokens} tokens at block size "
-            f"{layout.block_size}; {needed} are needed"
-        )
-    bad = [b for b in block_ids if not 0 <= b < layout.num_blocks]
+def check_block_ids(side: str, layout: KVLayout, block_ids: Sequence[int]) -> None:
+    """Block ids a transfer names must be distinct scheduler blocks of `layout`."""
+    bad = [b for b in block_ids if not 0 <= b < layout.scheduler_blocks]
     if bad:
         raise PlanError(
-            f"{side} block ids {bad[:5]} are outside the {layout.num_blocks} registered blocks"
+            f"{side} block ids {bad[:5]} are outside the {layout.scheduler_blocks} "
+            "registered blocks"
         )
     if len(set(block_ids)) != len(block_ids):
         raise PlanError(f"{side} block ids repeat: each block can hold only one request's KV")
-    return block_ids[:needed]
+
+
+def blocks_needed(layout: KVLayout, first_token: int, num_tokens: int) -> int:
+    """Scheduler blocks holding tokens [first_token, num_tokens), counted from the one
+    that holds `first_token`."""
+    if num_tokens <= first_token:
+        return 0
+    return -(-num_tokens // layout.block_tokens) - first_token // layout.block_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class _Side:
     layout: KVLayout
-    blocks: Sequence[int]
+    blocks: Sequence[int]  # kernel block ids, the first holding kernel block `first_block`
+    first_block: int
     head_offset: int  # first moved head, local to this rank
 
+    @classmethod
+    def of(
+        cls,
+        layout: KVLayout,
+        side: str,
+        block_ids: Sequence[int],
+        rank: int,
+        tp: int,
+        first_head: int,
+        first_token: int,
+        num_tokens: int,
+    ) -> _Side:
+        needed = blocks_needed(layout, first_token, num_tokens)
+        if len(block_ids) < needed:
+            raise PlanError(
+                f"{side} has {len(block_ids)} blocks for tokens [{first_token}, {num_tokens}) "
+                f"at {layout.block_tokens} tokens per block; {needed} are needed"
+            )
+        check_block_ids(side, layout, block_ids)
+        sub = layout.sub_blocks
+        used = block_ids[:needed]
+        kernel = used if sub == 1 else [b * sub + j for b in used for j in range(sub)]
+        first_block = first_token // layout.block_tokens * sub
+        rank_first, _ = head_range(rank, tp, layout.total_heads)
+        return cls(layout, kernel, first_block, first_head - rank_first)
 
-def _region_pattern(src: _Side, dst: _Side, heads: int, num_tokens: int) -> list[Descriptor]:
+    def cell(self, token: int) -> tuple[int, int]:
+        """Offset of the first moved head of `token`, and tokens left in its block."""
+        layout = self.layout
+        index, offset = divmod(token, layout.block_size)
+        block = self.blocks[index - self.first_block]
+        start = (
+            block * layout.block_stride
+            + self.head_offset * layout.head_stride
+            + offset * layout.token_stride
+        )
+        return start, layout.block_size - offset
+
+
+def _region_pattern(
+    src: _Side, dst: _Side, heads: int, first_token: int, num_tokens: int
+) -> list[Descriptor]:
     """Merged descriptors for one region, as offsets from the regions' bases.
 
-    Tokens are cut into pieces that stay inside one block on both sides. Inside a piece
-    both sides store (token, head) vectors in the same order (heads outermost for HND,
-    tokens outermost for NHD), contiguous along the inner index; each side is then either
-    contiguous over the whole piece or once per outer index, so the piece splits into equal
-    runs of the shorter of the two. Runs adjacent on both sides are merged, which is what
-    joins consecutive whole blocks into one descriptor.
+    Tokens are cut into pieces that stay inside one block on both sides. A piece is
+    `heads` x `count` cells; it is walked along the dimension that is contiguous on both
+    sides (tokens inside a head, or heads inside a token), else cell by cell, and a
+    dimension whose runs follow each other on both sides collapses into one run. Runs
+    adjacent on both sides are merged, which is what joins consecutive whole blocks into
+    one descriptor.
     """
-    unit = src.layout.head_bytes
-    head_major = src.layout.order == "HND"
-    src_bs, dst_bs = src.layout.block_size, dst.layout.block_size
+    s_lay, d_lay = src.layout, dst.layout
+    unit = s_lay.unit_bytes
+    tokens_inner = s_lay.token_stride == unit and d_lay.token_stride == unit
+    heads_inner = s_lay.head_stride == unit and d_lay.head_stride == unit
     out: list[Descriptor] = []
     run_src = run_dst = run_len = 0
-    token = 0
+
+    def add(s: int, d: int, n: int) -> None:
+        nonlocal run_src, run_dst, run_len
+        if run_len and run_src + run_len == s and run_dst + run_len == d:
+            run_len += n
+            return
+        if run_len:
+            out.append((run_src, run_dst, run_len))
+        run_src, run_dst, run_len = s, d, n
+
+    token = first_token
     while token < num_tokens:
-        src_index, src_off = divmod(token, src_bs)
-        dst_index, dst_off = divmod(token, dst_bs)
-        count = min(src_bs - src_off, dst_bs - dst_off, num_tokens - token)
-        outer, inner = (heads, count) if head_major else (count, heads)
-        s_base, s_outer = _piece(src, src.blocks[src_index], src_off, head_major)
-        d_base, d_outer = _piece(dst, dst.blocks[dst_index], dst_off, head_major)
-        whole_piece = outer == 1 or (s_outer == d_outer == inner * unit)
-        length = (outer if whole_piece else 1) * inner * unit
-        for o in range(1 if whole_piece else outer):
-            s = s_base + o * s_outer
-            d = d_base + o * d_outer
-            if run_len and run_src + run_len == s and run_dst + run_len == d:
-                run_len += length
-            else:
-                if run_len:
-                    out.append((run_src, run_dst, run_len))
-                run_src, run_dst, run_len = s, d, length
+        s_base, s_left = src.cell(token)
+        d_base, d_left = dst.cell(token)
+        count = min(s_left, d_left, num_tokens - token)
+        if tokens_inner:  # per head, `count` tokens
+            inner, outer = count * unit, heads
+            s_step, d_step = s_lay.head_stride, d_lay.head_stride
+        elif heads_inner or heads == 1:  # per token, `heads` heads
+            inner, outer = heads * unit, count
+            s_step, d_step = s_lay.token_stride, d_lay.token_stride
+        else:
+            for h in range(heads):
+                for t in range(count):
+                    add(
+                        s_base + h * s_lay.head_stride + t * s_lay.token_stride,
+                        d_base + h * d_lay.head_stride + t * d_lay.token_stride,
+                        unit,
+                    )
+            token += count
+            continue
+        if outer == 1 or (s_step == inner and d_step == inner):
+            add(s_base, d_base, inner * outer)
+        else:
+            for o in range(outer):
+                add(s_base + o * s_step, d_base + o * d_step, inner)
         token += count
     if run_len:
         out.append((run_src, run_dst, run_len))
-    return out
-
-
-def _piece(side: _Side, block_id: int, token_off: int, head_major: bool) -> tuple[int, int]:
-    """Base offset and outer stride of a piece starting at `token_off` of a block."""
-    layout = side.layout
-    unit = layout.head_bytes
-    start = block_id * layout.stride
-    if head_major:
-        head_stride = layout.block_size * unit
-        return start + side.head_offset * head_stride + token_off * unit, head_stride
-    token_stride = layout.num_heads * unit
-    return start + token_off * token_stride + side.head_offset * unit, token_stride
+    # a walk by blocks leaves runs that continue across blocks (heads outside blocks)
+    return coalesce(out) if len(out) > 1 else out

@@ -35,9 +35,9 @@ from typing import Any, Literal
 
 import msgpack
 
-from kvpush.core.planning import ORDERS, KVLayout, PlanError, check_mappable
+from kvpush.core.planning import KVLayout, PlanError, check_mappable
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"KP"
 GREETING_MAGIC = b"KPHI"
 MAC_SIZE = 32
@@ -161,10 +161,12 @@ _LAYOUT_FIELDS: tuple[Check, ...] = (
     _int(1, I63_MAX),  # num_blocks
     _int(1, 1 << 20),  # block_size
     _int(1, MAX_TP * 1024),  # num_heads
-    _int(1, 1 << 20),  # head_dim
-    _int(1, 64),  # elem_size
-    _str(3, ORDERS),  # order
-    _int(0, U64_MAX),  # block_stride
+    _int(1, 1 << 24),  # unit_bytes
+    _int(1, I63_MAX),  # block_stride
+    _int(1, I63_MAX),  # head_stride
+    _int(1, I63_MAX),  # token_stride
+    _int(1, MAX_TP * 1024),  # total_heads
+    _int(1, 1 << 20),  # sub_blocks
 )
 
 
@@ -201,7 +203,7 @@ class Hello:
     role: Role = field(metadata=_wire(_str(16, ROLES)))
     mode: Mode = field(metadata=_wire(_str(16, MODES)))
     model: str = field(metadata=_wire(_str(1024)))
-    dtype: str = field(metadata=_wire(_str(32)))
+    kv_dtype: str = field(metadata=_wire(_str(32)))
     tp_rank: int = field(metadata=_TP_RANK)
     tp_size: int = field(metadata=_TP_SIZE)
     layout: KVLayout = field(metadata=_wire(_layout))
@@ -565,10 +567,10 @@ def check_compatible(local: Hello, remote: Hello) -> str | None:
             f"{peer} serves model {remote.model!r}, local {local.model!r}: "
             "serve the same model on both sides"
         )
-    if local.dtype != remote.dtype:
+    if local.kv_dtype != remote.kv_dtype:
         return (
-            f"{peer} uses KV dtype {remote.dtype}, local {local.dtype}: "
-            "use the same KV cache dtype on both sides"
+            f"{peer} stores its KV cache as {remote.kv_dtype}, local as {local.kv_dtype}: "
+            "use the same --dtype and --kv-cache-dtype on both sides"
         )
     problem = check_mappable(
         local.layout, remote.layout, local.tp_size, remote.tp_size, "local", peer

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpush.vllm.config import ROLES, KvpushConfig
+from kvpush.vllm.layout import kv_cache_facts
 from kvpush.vllm.metadata import KvpushMetadata
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KvpushPromMetrics, KvpushStats
@@ -44,6 +45,18 @@ class KvpushConnector(KVConnectorBase_V1):
                 f"got {transfer.kv_role!r}"
             )
         engine_id = str(transfer.engine_id)
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        # Refuse a KV cache kvpush cannot move exactly in both roles, so the scheduler
+        # process fails at start with the reason, not a worker at its first transfer.
+        self.facts = kv_cache_facts(
+            kv_cache_config,
+            model=str(model.model),
+            tp_size=parallel.tensor_parallel_size,
+            model_kv_heads=model.get_total_num_kv_heads(),
+            cache_dtype=str(vllm_config.cache_config.cache_dtype),
+            dcp_size=parallel.decode_context_parallel_size,
+        )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -51,27 +64,31 @@ class KvpushConnector(KVConnectorBase_V1):
                 self.config,
                 engine_id,
                 is_producer=transfer.kv_role == "kv_producer",
-                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                tp_size=parallel.tensor_parallel_size,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            model = vllm_config.model_config
-            parallel = vllm_config.parallel_config
             self.worker = WorkerSide(
                 self.config,
                 Identity(
                     engine_id=engine_id,
                     role=ROLES[transfer.kv_role],
                     model=str(model.model),
-                    dtype=str(model.dtype).removeprefix("torch."),
                     tp_rank=get_tensor_model_parallel_rank(),
                     tp_size=parallel.tensor_parallel_size,
                 ),
             )
-            self._block_size = vllm_config.cache_config.block_size
-            self._kv_heads = model.get_num_kv_heads(parallel)
-            self._head_dim = model.get_head_size()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Heads outermost inside each layer's blocks (LBHNC): a block is one contiguous
+        run, and a TP rank's share of heads is one run per block too. MLA has one latent
+        per token, where any layout moves as well."""
+        model = vllm_config.model_config
+        if model is None or model.use_mla:
+            return None
+        return "LBHNC"
 
     # -- scheduler side -------------------------------------------------------------
 
@@ -111,7 +128,8 @@ class KvpushConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self.worker is not None
-        self.worker.register_kv_caches(kv_caches, self._block_size, self._kv_heads, self._head_dim)
+        layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()
+        self.worker.register_kv_caches(kv_caches, self.facts, layout.name)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None

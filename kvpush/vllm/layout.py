@@ -1,65 +1,213 @@
-"""Describe vLLM's KV cache tensors as a `KVLayout` the planner understands."""
+"""The one place that turns vLLM's KV cache into a `KVLayout`, from what vLLM says it built.
+
+vLLM 0.32 allocates one backing buffer and views it as one 4D tensor per layer with the
+logical shape [blocks, heads, tokens, content] (content: K and V of one head of one
+token, or MLA's latent vector), in the physical order of the resolved `KVCacheLayout`
+(LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC). The facts come from vLLM: the KV cache spec
+of the one transferable cache group (block size, heads, content bytes, dtype, whether TP
+ranks replicate it), the resolved layout, and the views' strides; the views are checked
+against the layout, never interpreted by shape. What kvpush cannot move exactly (several
+cache groups, sliding-window or state caches, per-token quantisation scales, decode
+context parallelism) is refused here, at start, with what is supported.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from kvpush.core.planning import KVLayout
+from kvpush.core.planning import KVLayout, PlanError
+
+SUPPORTED = (
+    "kvpush moves the KV cache of decoder models with one KV cache group of full "
+    "attention or MLA layers (every vLLM KV cache layout; KV cache dtype auto, bfloat16, "
+    "float16, float32 or fp8 with per-tensor scales)"
+)
+_PLAIN_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+_FP8_ALIASES = {"fp8": "fp8_e4m3", "fp8_inc": "fp8_e4m3"}
+
+
+class UnsupportedKVCache(ValueError):
+    """A KV cache kvpush cannot move exactly; the message names the model and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheFacts:
+    """What vLLM's KV cache config says about the cache kvpush transfers on one rank."""
+
+    layer_names: tuple[str, ...]  # the transferable layers, in vLLM's order
+    block_size: int  # tokens per scheduler block
+    num_heads: int  # head slots per rank
+    unit_bytes: int  # bytes of one head of one token
+    total_heads: int  # distinct KV heads across the TP group
+    kv_dtype: str  # what the two sides must agree on, e.g. "bfloat16" or "fp8_e4m3"
+    mla: bool
+
+
+def kv_cache_facts(
+    kv_cache_config: Any,
+    *,
+    model: str,
+    tp_size: int,
+    model_kv_heads: int,
+    cache_dtype: str,
+    dcp_size: int = 1,
+) -> KVCacheFacts:
+    """The facts of the one transferable KV cache group; raises `UnsupportedKVCache`.
+
+    `model_kv_heads` is the model's total KV head count (vLLM's
+    `ModelConfig.get_total_num_kv_heads`), used when heads are fewer than TP ranks.
+    """
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVQuantMode,
+        MLAAttentionSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    def refuse(what: str) -> UnsupportedKVCache:
+        return UnsupportedKVCache(f"kvpush cannot transfer the KV cache of {model}: {what}. "
+                                  f"{SUPPORTED}.")  # fmt: skip
+
+    groups = [g for g in kv_cache_config.kv_cache_groups if g.enable_kv_transfer]
+    if len(groups) != 1:
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
+        raise refuse(f"it has {len(groups)} KV cache groups ({kinds}), e.g. a hybrid model")
+    group = groups[0]
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        specs = set(spec.kv_cache_specs.values())
+        if len(specs) != 1:
+            raise refuse("its layers have different KV cache shapes")
+        (spec,) = specs
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise refuse(f"its layers keep a {type(spec).__name__} cache")
+    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+        raise refuse(f"KV cache dtype {cache_dtype} keeps scales kvpush does not move")
+    if spec.tokens_per_state != 1:
+        raise refuse("its cache stores other than one state per token")
+    if spec.num_head_slots is not None and spec.num_head_slots != spec.num_kv_heads:
+        raise refuse("its cache packs several KV heads per slot")
+    if dcp_size > 1:
+        raise refuse(f"decode context parallelism ({dcp_size}) shards tokens across ranks")
+    if spec.max_tp_shards is not None:
+        replicas = max(1, tp_size // spec.max_tp_shards)
+    else:
+        replicas = max(1, tp_size // max(1, model_kv_heads))
+    total_heads = spec.num_heads * (tp_size // replicas)
+    dtype = cache_dtype.lower()
+    if dtype in _PLAIN_DTYPES:
+        dtype = str(spec.dtype).removeprefix("torch.")
+    return KVCacheFacts(
+        layer_names=tuple(group.layer_names),
+        block_size=spec.block_size,
+        num_heads=spec.num_heads,
+        unit_bytes=spec.state_content_size_bytes,
+        total_heads=total_heads,
+        kv_dtype=_FP8_ALIASES.get(dtype, dtype),
+        mla=isinstance(spec, MLAAttentionSpec),
+    )
 
 
 def describe_kv_caches(
-    kv_caches: dict[str, Any], block_size: int, num_heads: int, head_dim: int
+    facts: KVCacheFacts, kv_caches: dict[str, Any], layout_name: str
 ) -> tuple[KVLayout, tuple[tuple[int, int], ...]]:
-    """One region per layer and K/V plane, in layer order, plus the memory to register.
+    """One region per transferable layer, in vLLM's layer order, plus the memory to
+    register with NIXL (the backing storage of the views).
 
-    Understands the two shapes vLLM's attention backends allocate:
-    (num_blocks, 2, block_size, heads * head_dim) on CPU - K and V planes inside each
-    block - and (2, num_blocks, block_size, heads, head_dim) or its head-major variant
-    (2, num_blocks, heads, block_size, head_dim) on GPUs.
+    `kv_caches` are the per-layer views vLLM hands `register_kv_caches`; `layout_name`
+    is vLLM's resolved KV cache layout, which the views' strides must follow.
     """
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    missing = [name for name in facts.layer_names if name not in kv_caches]
+    if missing:
+        raise UnsupportedKVCache(
+            f"vLLM registered no KV cache for layers {missing[:3]}; kvpush needs every "
+            "layer of the transferable cache group"
+        )
+    order = KVCacheLayout[layout_name].layer_view_order
     bases: list[int] = []
     memory: dict[int, int] = {}
-    geometry: set[tuple[int, int, str]] = set()
-    for name, tensor in kv_caches.items():
-        shape, elem = tuple(tensor.shape), tensor.element_size()
-        if len(shape) >= 3 and shape[1] == 2 and shape[0] != 2:
-            num_blocks, stride = shape[0], tensor.stride(0) * elem
-            planes = [tensor.data_ptr(), tensor.data_ptr() + tensor.stride(1) * elem]
-            order = "NHD"
-        elif shape[0] == 2 and len(shape) == 5:
-            num_blocks, stride = shape[1], tensor.stride(1) * elem
-            planes = [tensor[0].data_ptr(), tensor[1].data_ptr()]
-            order = "HND" if shape[2] == num_heads and shape[3] == block_size else "NHD"
-        else:
-            raise ValueError(
-                f"kvpush does not understand the KV cache of {name}: shape {shape}; "
-                "expected (blocks, 2, block_size, heads*dim) or (2, blocks, ...)"
+    geometry: set[tuple[int, ...]] = set()
+    for name in facts.layer_names:
+        view = kv_caches[name]
+        elem = view.element_size()
+        if view.dim() != 4:
+            raise UnsupportedKVCache(
+                f"the KV cache view of {name} has shape {tuple(view.shape)}; vLLM 0.32 "
+                "builds [blocks, heads, tokens, content] views"
             )
-        bases += planes
-        geometry.add((num_blocks, stride, order))
-        storage = tensor.untyped_storage()
+        blocks, heads, tokens, content = view.shape
+        strides = [s * elem for s in view.stride()]
+        if strides[3] != elem or content * elem != facts.unit_bytes or heads != facts.num_heads:
+            raise UnsupportedKVCache(
+                f"the KV cache view of {name} (shape {tuple(view.shape)}, strides "
+                f"{tuple(view.stride())}) does not hold {facts.num_heads} heads of "
+                f"{facts.unit_bytes} contiguous bytes per token, as its KV cache spec says"
+            )
+        if facts.block_size % tokens or blocks % (facts.block_size // tokens):
+            raise UnsupportedKVCache(
+                f"the KV cache view of {name} has blocks of {tokens} tokens, which do not "
+                f"divide vLLM's block size {facts.block_size}"
+            )
+        physical = sorted(
+            (axis for axis in range(4) if view.shape[axis] > 1), key=lambda a: -strides[a]
+        )
+        expected = [axis for axis in order if view.shape[axis] > 1]
+        if physical != expected:
+            raise UnsupportedKVCache(
+                f"the KV cache view of {name} has strides {tuple(view.stride())}, which do "
+                f"not follow vLLM's resolved KV cache layout {layout_name}"
+            )
+        bases.append(view.data_ptr())
+        geometry.add((blocks, tokens, *strides[:3]))
+        storage = view.untyped_storage()
         memory[storage.data_ptr()] = storage.nbytes()
     if len(geometry) != 1:
-        raise ValueError(f"KV cache tensors differ in block count/stride/order: {geometry}")
-    ((num_blocks, stride, order),) = geometry
-    elem = next(iter(kv_caches.values())).element_size()
-    layout = KVLayout(
-        region_bases=tuple(bases),
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        elem_size=elem,
-        order=order,  # type: ignore[arg-type]
-        block_stride=stride,
-    )
+        raise UnsupportedKVCache(
+            f"the KV cache views of the layers differ in blocks or strides: {sorted(geometry)}"
+        )
+    ((blocks, tokens, block_stride, head_stride, token_stride),) = geometry
+    try:
+        layout = KVLayout(
+            region_bases=tuple(bases),
+            num_blocks=blocks,
+            block_size=tokens,
+            num_heads=facts.num_heads,
+            unit_bytes=facts.unit_bytes,
+            block_stride=block_stride,
+            head_stride=head_stride,
+            token_stride=token_stride,
+            total_heads=facts.total_heads,
+            sub_blocks=facts.block_size // tokens,
+        )
+    except PlanError as exc:
+        raise UnsupportedKVCache(f"the KV cache views of vLLM make no valid layout: {exc}") from exc
     return layout, tuple(sorted(memory.items()))
 
 
 def block_pieces(layout: KVLayout) -> list[tuple[int, int]]:
-    """Every (region, block) as one (address, length) piece, region-major."""
+    """Every contiguous piece of every kernel block, region-major then block-major: what
+    the prepared fast path indexes (`piece_indices`)."""
+    chunks = layout.block_chunks()
     return [
-        (base + block * layout.stride, layout.block_bytes)
+        (base + block * layout.block_stride + offset, length)
         for base in layout.region_bases
         for block in range(layout.num_blocks)
+        for offset, length in chunks
+    ]
+
+
+def piece_indices(layout: KVLayout, block_ids: list[int]) -> list[int]:
+    """Indices into `block_pieces(layout)` of scheduler blocks `block_ids`, every region."""
+    chunks = len(layout.block_chunks())
+    sub = layout.sub_blocks
+    per_region = layout.num_blocks * chunks
+    return [
+        region * per_region + (b * sub + j) * chunks + c
+        for region in range(layout.num_regions)
+        for b in block_ids
+        for j in range(sub)
+        for c in range(chunks)
     ]

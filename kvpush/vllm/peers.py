@@ -35,7 +35,7 @@ from kvpush.core.planning import KVLayout
 from kvpush.core.protocol import Hello, Message, check_compatible
 from kvpush.dataplane.control import ControlClient
 from kvpush.dataplane.transport import Transfer, TransferError
-from kvpush.vllm.layout import block_pieces
+from kvpush.vllm.layout import block_pieces, piece_indices
 from kvpush.vllm.threads import Loop
 
 if TYPE_CHECKING:
@@ -172,11 +172,7 @@ class Peers(Generic[J]):
                 raise ConnectionError(f"incompatible peer {remote.engine_id}: {problem}")
             agent = worker.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
             local = worker.hello.layout
-            same = (
-                remote.layout.block_size == local.block_size
-                and remote.tp_size == worker.identity.tp_size
-                and remote.layout.num_heads == local.num_heads
-            )
+            same = same_shape(local, remote.layout) and remote.tp_size == worker.identity.tp_size
             if same:
                 worker.transport.prepare_peer_blocks(
                     agent, block_pieces(local), block_pieces(remote.layout)
@@ -205,12 +201,14 @@ def post_kv(
     remote_blocks: Sequence[int],
     num_tokens: int,
     prefill_tokens: int,
+    first_token: int = 0,
 ) -> Posted:
-    """Move the first `num_tokens` tokens between our blocks and the peer's.
+    """Move tokens [first_token, num_tokens) between our blocks and the peer's.
 
-    WRITE copies ours into theirs (push), READ theirs into ours (pull); `prefill_tokens`
-    is how many tokens prefill computed. Raises `PlanError` or `TransferError` with what
-    went wrong.
+    WRITE copies ours into theirs (push), READ theirs into ours (pull); each block list
+    begins with the block holding `first_token` on its side, and `prefill_tokens` is how
+    many tokens prefill computed. Raises `PlanError` or `TransferError` with what went
+    wrong.
     """
     transport, hello = worker.transport, worker.hello
     assert transport is not None and hello is not None and peer.hello is not None
@@ -220,17 +218,22 @@ def post_kv(
         )
     local, remote = hello.layout, peer.hello.layout
     if peer.same_shape:
-        n = math.ceil(num_tokens / local.block_size)
-        if n > len(local_blocks) or n > len(remote_blocks):
-            raise planning.PlanError(
-                f"{num_tokens} tokens need {n} blocks; this side has {len(local_blocks)}, "
-                f"the {'decode' if op == 'WRITE' else 'prefill'} side {len(remote_blocks)}"
-            )
-        _check_ids(remote_blocks[:n], remote.num_blocks)
-        local_idx = _indices(local, local_blocks[:n])
-        remote_idx = _indices(remote, remote_blocks[:n])
-        descriptors = len(planning.merge_runs(local_blocks[:n])) * local.num_regions
-        nbytes = n * local.num_regions * local.block_bytes
+        # Whole blocks, prepared once per peer: the tail of the last block is this
+        # request's own block on both sides, so copying all of it is harmless.
+        n = planning.blocks_needed(local, first_token, num_tokens)
+        sides = (("this", local, local_blocks), (_other(op), remote, remote_blocks))
+        for side, layout, blocks in sides:
+            if n > len(blocks):
+                raise planning.PlanError(
+                    f"tokens [{first_token}, {num_tokens}) need {n} blocks; the {side} side "
+                    f"has {len(blocks)}"
+                )
+            planning.check_block_ids(f"the {side} side's", layout, blocks[:n])
+        local_idx = piece_indices(local, list(local_blocks[:n]))
+        remote_idx = piece_indices(remote, list(remote_blocks[:n]))
+        chunks = len(local.block_chunks()) * local.sub_blocks
+        descriptors = len(planning.merge_runs(local_blocks[:n])) * local.num_regions * chunks
+        nbytes = n * local.num_regions * local.sub_blocks * local.block_bytes
         post = transport.write_blocks if op == "WRITE" else transport.read_blocks
         return Posted(post(peer.agent, local_idx, remote_idx), descriptors, nbytes)
     ours = (local, local_blocks, worker.identity.tp_rank, worker.identity.tp_size)
@@ -244,30 +247,38 @@ def post_kv(
         dst,
         dst_blocks,
         num_tokens,
+        first_token=first_token,
         src_rank=src_rank,
         src_tp=src_tp,
         dst_rank=dst_rank,
         dst_tp=dst_tp,
     )
-    pieces = [d for region in plan.regions for d in region]
+    pieces = plan.descriptors()
     src_pieces = [(s, n) for s, _, n in pieces]
     dst_pieces = [(d, n) for _, d, n in pieces]
     if op == "WRITE":
         transfer = transport.write(peer.agent, src_pieces, dst_pieces)
     else:
         transfer = transport.read(peer.agent, src_pieces, dst_pieces)
-    return Posted(transfer, plan.num_descriptors, plan.total_bytes)
+    return Posted(transfer, len(pieces), plan.total_bytes)
 
 
-def _indices(layout: KVLayout, blocks: Sequence[int]) -> list[int]:
-    """Indices into `block_pieces(layout)` (region-major) of `blocks` in every region."""
-    return [r * layout.num_blocks + b for r in range(layout.num_regions) for b in blocks]
+def _other(op: Op) -> str:
+    return "decode" if op == "WRITE" else "prefill"
 
 
-def _check_ids(ids: Sequence[int], num_blocks: int) -> None:
-    bad = [b for b in ids if not 0 <= b < num_blocks]
-    if bad:
-        raise planning.PlanError(f"remote block ids {bad[:5]} outside 0..{num_blocks - 1}")
+def same_shape(a: KVLayout, b: KVLayout) -> bool:
+    """Both sides cut blocks into the same pieces: prepared block lists pair up by index."""
+    return (
+        a.num_regions == b.num_regions
+        and a.block_size == b.block_size
+        and a.sub_blocks == b.sub_blocks
+        and a.num_heads == b.num_heads
+        and a.total_heads == b.total_heads
+        and a.unit_bytes == b.unit_bytes
+        and (a.num_heads == 1 or a.block_size == 1 or a.head_major == b.head_major)
+        and [n for _, n in a.block_chunks()] == [n for _, n in b.block_chunks()]
+    )
 
 
 @dataclass(slots=True)
@@ -389,11 +400,19 @@ class PeerLoop(Loop, Generic[J]):
         remote_blocks: Sequence[int],
         num_tokens: int,
         prefill_tokens: int,
+        first_token: int = 0,
     ) -> None:
         """`post_kv`, then track the transfer for `job` until `ended` reports it."""
         try:
             posted = post_kv(
-                self.worker, op, peer, local_blocks, remote_blocks, num_tokens, prefill_tokens
+                self.worker,
+                op,
+                peer,
+                local_blocks,
+                remote_blocks,
+                num_tokens,
+                prefill_tokens,
+                first_token,
             )
         except TransferError as exc:
             self.peers.lost(peer, exc)

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvpush.core.lease import Leases
-from kvpush.core.planning import peer_ranks
+from kvpush.core.planning import destinations
 from kvpush.core.protocol import (
     MAX_TEXT_LEN,
     Cancel,
@@ -72,7 +72,9 @@ class LeaseKeeper(PeerLoop[None]):
         with self.lock:
             self._absorb(now)
             if isinstance(msg, ReadDone):
-                readers = len(peer_ranks(ident.tp_rank, ident.tp_size, msg.tp_size))
+                assert self.worker.hello is not None
+                total = self.worker.hello.layout.total_heads
+                readers = len(destinations(ident.tp_rank, ident.tp_size, msg.tp_size, total))
                 problem, released = self.leases.read_done(
                     msg.transfer_id, msg.generation, msg.tp_rank, readers, msg.ok, msg.error, now
                 )

@@ -54,7 +54,7 @@ WATCH_S = 0.5  # how often prefill ranks with transfers pending are checked for 
 class _Expecting:
     spec: RecvSpec
     started: float
-    producers: range
+    producers: tuple[int, ...]
     deadline: float = math.inf  # next lease renewal (pull)
     alive: bool = True
     aborted: bool = False  # the request ended: report it received, not failed
@@ -166,8 +166,7 @@ class Receiver(PeerLoop[_Read]):
     # Both modes
 
     def _expect(self, spec: RecvSpec, now: float) -> None:
-        ident = self.worker.identity
-        producers = planning.peer_ranks(ident.tp_rank, ident.tp_size, spec.prefill_tp)
+        producers = self._producers(spec.prefill_tp)
         deadline = now + self.worker.config.transfer_timeout_s
         self.arrivals.expect(spec.transfer_id, spec.generation, producers, deadline)
         old = self.expecting.get(spec.transfer_id)
@@ -185,6 +184,13 @@ class Receiver(PeerLoop[_Read]):
                     self._post_read(read, peer)
         else:
             self._register(spec, producers)
+
+    def _producers(self, prefill_tp: int) -> tuple[int, ...]:
+        """The prefill ranks that send this rank its KV heads."""
+        ident, hello = self.worker.identity, self.worker.hello
+        assert hello is not None
+        total = hello.layout.total_heads
+        return tuple(sorted(planning.sources(ident.tp_rank, ident.tp_size, prefill_tp, total)))
 
     def _outcomes(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
@@ -253,7 +259,7 @@ class Receiver(PeerLoop[_Read]):
         hold KV for it - tell each producer rank to free it now."""
         ident = self.worker.identity
         why = "decode request ended before it got blocks"
-        for rank in planning.peer_ranks(ident.tp_rank, ident.tp_size, item.prefill_tp):
+        for rank in self._producers(item.prefill_tp):
             host, port = item.prefill_host, item.prefill_port + rank
             if self.pull:  # prefill answers a ReadDone; the answer changes nothing here
                 done = ReadDone(item.transfer_id, 0, ident.tp_rank, ident.tp_size, False, why)
@@ -303,7 +309,7 @@ class Receiver(PeerLoop[_Read]):
 
     # Push
 
-    def _register(self, spec: RecvSpec, producers: range) -> None:
+    def _register(self, spec: RecvSpec, producers: tuple[int, ...]) -> None:
         worker = self.worker
         ident = worker.identity
         reg = Registration(

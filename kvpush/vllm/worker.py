@@ -41,7 +41,7 @@ from kvpush.core.protocol import (
 from kvpush.dataplane.control import ControlServer
 from kvpush.dataplane.transport import NixlTransport
 from kvpush.vllm.config import KvpushConfig
-from kvpush.vllm.layout import describe_kv_caches
+from kvpush.vllm.layout import KVCacheFacts, describe_kv_caches
 from kvpush.vllm.metadata import KvpushMetadata
 from kvpush.vllm.pull import LeaseKeeper
 from kvpush.vllm.push import PushWriter
@@ -57,7 +57,6 @@ class Identity:
     engine_id: str
     role: str  # "prefill" or "decode"
     model: str
-    dtype: str
     tp_rank: int
     tp_size: int
 
@@ -82,15 +81,15 @@ class WorkerSide:
         return self.config.port + self.identity.tp_rank
 
     def register_kv_caches(
-        self, kv_caches: dict[str, Any], block_size: int, num_heads: int, head_dim: int
+        self, kv_caches: dict[str, Any], facts: KVCacheFacts, layout_name: str
     ) -> None:
         ident = self.identity
-        layout, memory = describe_kv_caches(kv_caches, block_size, num_heads, head_dim)
+        layout, memory = describe_kv_caches(facts, kv_caches, layout_name)
         name = f"{ident.engine_id}-tp{ident.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.transport = NixlTransport(name, self.config.backend)
         # GPU KV (kv_buffer_device "cuda") is registered as VRAM so NIXL moves it with
         # GPUDirect where the backend supports it; CPU KV as DRAM.
-        first = next(iter(kv_caches.values()))
+        first = kv_caches[facts.layer_names[0]]
         on_gpu = first.device.type == "cuda"
         self.transport.register_regions(
             list(memory), mem="VRAM" if on_gpu else "DRAM", device=first.device.index or 0
@@ -101,7 +100,7 @@ class WorkerSide:
             role=ident.role,  # type: ignore[arg-type]
             mode=self.config.mode,  # type: ignore[arg-type]
             model=ident.model,
-            dtype=ident.dtype,
+            kv_dtype=facts.kv_dtype,
             tp_rank=ident.tp_rank,
             tp_size=ident.tp_size,
             layout=layout,
@@ -122,13 +121,18 @@ class WorkerSide:
         )
         self.server.start()
         log.info(
-            "kvpush %s worker %d/%d: %d KV regions x %d blocks of %d tokens, control on %s:%d",
+            "kvpush %s worker %d/%d: %d layers x %d blocks of %d tokens, %d of %d KV heads "
+            "(%s, %s layout), control on %s:%d",
             ident.role,
             ident.tp_rank,
             ident.tp_size,
             layout.num_regions,
-            layout.num_blocks,
-            layout.block_size,
+            layout.scheduler_blocks,
+            layout.block_tokens,
+            layout.num_heads,
+            layout.total_heads,
+            facts.kv_dtype,
+            layout_name,
             self.config.host,
             self.port,
         )

@@ -42,8 +42,17 @@ def pattern(region: int, block: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
 
 
 def hello(name: str, role: Role, transport: NixlTransport, regions: list[np.ndarray]) -> Hello:
+    unit = HEAD_DIM * ELEM
     layout = KVLayout(
-        tuple(r.ctypes.data for r in regions), BLOCKS, BLOCK_TOKENS, HEADS, HEAD_DIM, ELEM
+        tuple(r.ctypes.data for r in regions),
+        BLOCKS,
+        BLOCK_TOKENS,
+        HEADS,
+        unit,
+        block_stride=BLOCK_BYTES,
+        head_stride=BLOCK_TOKENS * unit,
+        token_stride=unit,
+        total_heads=HEADS,
     )
     return Hello(
         version=PROTOCOL_VERSION,
@@ -51,7 +60,7 @@ def hello(name: str, role: Role, transport: NixlTransport, regions: list[np.ndar
         role=role,
         mode="push",
         model="tiny",
-        dtype="bfloat16",
+        kv_dtype="bfloat16",
         tp_rank=0,
         tp_size=1,
         layout=layout,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl)")
 
@@ -24,8 +25,9 @@ from kvpush.vllm.config import KvpushConfig  # noqa: E402
 from kvpush.vllm.faults import Faults  # noqa: E402
 from kvpush.vllm.metadata import AbortSpec, KvpushMetadata, RecvSpec, SendSpec  # noqa: E402
 from kvpush.vllm.worker import Identity, WorkerSide  # noqa: E402
+from tests.vllm_caches import Cache, attention, build, fill  # noqa: E402
 
-LAYERS, BLOCKS, HEADS, DIM = 2, 16, 2, 8
+LAYERS, BLOCKS, HEADS, DIM = 2, 16, 2, 64
 PREFILL_BLOCKS = (5, 6, 7)
 NUM_TOKENS = 10
 
@@ -44,31 +46,25 @@ def free_port(span: int = 2) -> int:
         return port
 
 
-def kv_caches(block_size: int, seed: int | None, heads: int = HEADS) -> dict[str, torch.Tensor]:
-    """vLLM's CPU layout, (num_blocks, 2, block_size, heads * dim); random or zeros."""
-    shape = (BLOCKS, 2, block_size, heads * DIM)
-    gen = torch.Generator().manual_seed(seed or 0)
-    return {
-        f"layer{i}": (torch.randn(shape, generator=gen) if seed else torch.zeros(shape)).to(
-            torch.bfloat16
-        )
-        for i in range(LAYERS)
-    }
+def kv_cache(block_size: int, seed: int | None, tp: int = 1) -> Cache:
+    """A TP rank's KV cache as vLLM builds it (heads outermost in a block, vLLM's CPU
+    layout); random bytes (a seed) or zeros."""
+    spec = attention(HEADS // tp, DIM, block_size)
+    cache = build(spec, KVCacheLayout.LBHNC, tp_size=tp, model_kv_heads=HEADS,
+                  num_blocks=BLOCKS, layers=LAYERS)  # fmt: skip
+    fill(cache, seed)
+    return cache
 
 
-def tokens(caches: dict[str, torch.Tensor], blocks: tuple[int, ...], n: int) -> torch.Tensor:
-    """The first `n` tokens' K and V of every layer, as (layer, plane, token, heads*dim)."""
-    per_layer = []
-    for tensor in caches.values():
-        rows = torch.cat([tensor[b] for b in blocks], dim=1)  # (2, tokens, heads*dim)
-        per_layer.append(rows[:, :n])
-    return torch.stack(per_layer)
+def tokens(cache: Cache, blocks: tuple[int, ...], n: int) -> torch.Tensor:
+    """The first `n` tokens of every layer: [layer, token, head, K and V bytes]."""
+    return cache.all_tokens(list(blocks), n)
 
 
 @dataclass
 class Side:
     worker: WorkerSide
-    caches: dict[str, torch.Tensor]
+    cache: Cache
     sending: set[str] = field(default_factory=set)
     recving: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
@@ -137,12 +133,11 @@ def start_side(
             faults=Faults.parse(faults),
             **config,  # type: ignore[arg-type]
         ),
-        Identity(f"{role}-0", role, "tiny", "bfloat16", *tp),
+        Identity(f"{role}-0", role, "tiny", *tp),
     )
-    heads = HEADS // tp[1]
-    caches = kv_caches(block_size, seed, heads)
-    worker.register_kv_caches(caches, block_size, heads, DIM)
-    return Side(worker, caches)
+    cache = kv_cache(block_size, seed, tp[1])
+    worker.register_kv_caches(cache.views, cache.facts, cache.layout_name)
+    return Side(worker, cache)
 
 
 @pytest.fixture
@@ -186,8 +181,8 @@ def test_kv_arrives_byte_exact_and_prefill_frees_its_blocks(
     pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert pair.decode.recving == {"d1"} and pair.prefill.sending == {"p1"}
     assert pair.decode.load_errors == set()
-    moved = tokens(pair.decode.caches, decode_blocks, NUM_TOKENS)
-    assert torch.equal(moved, tokens(pair.prefill.caches, PREFILL_BLOCKS, NUM_TOKENS))
+    moved = tokens(pair.decode.cache, decode_blocks, NUM_TOKENS)
+    assert torch.equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
     # transfer metrics are recorded by the side that initiates: prefill WRITEs, decode READs
     initiator = pair.decode if mode == "pull" else pair.prefill
     data = initiator.worker.stats_data()
@@ -266,8 +261,8 @@ def test_pull_decode_renews_the_lease_while_it_waits(pair_factory: object) -> No
     with keeper.lock:
         assert keeper.leases.stats.renewed >= 2
     pair.run_until(lambda: pair.prefill.sending)
-    moved = tokens(pair.decode.caches, (1, 9, 3), NUM_TOKENS)
-    assert torch.equal(moved, tokens(pair.prefill.caches, PREFILL_BLOCKS, NUM_TOKENS))
+    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
+    assert torch.equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
 
 
 def test_pull_decode_abort_reports_the_request_and_frees_prefill(pair_factory: object) -> None:
@@ -297,7 +292,7 @@ def test_push_decode_abort_frees_its_blocks_once_prefill_confirms(pair_factory: 
     assert pair.decode.worker.stats_data()["failures"] == {}, "an abort is not a failure"
     pair.prefill.step(KvpushMetadata(send=[send_spec()]))
     pair.run_until(lambda: pair.prefill.sending)  # decode gave up: freed at once
-    assert torch.count_nonzero(tokens(pair.decode.caches, (1, 9, 3), NUM_TOKENS)) == 0
+    assert torch.count_nonzero(tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)) == 0
 
 
 def test_push_abort_during_a_write_waits_for_the_write_to_end(pair_factory: object) -> None:
@@ -441,8 +436,8 @@ def test_push_decode_restarted_on_the_same_address_is_handshaken_again(
     pair.start("t2")
     pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert pair.decode.load_errors == set()
-    moved = tokens(pair.decode.caches, (1, 9, 3), NUM_TOKENS)
-    assert torch.equal(moved, tokens(pair.prefill.caches, PREFILL_BLOCKS, NUM_TOKENS))
+    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
+    assert torch.equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
 
 
 def test_decode_request_that_ends_before_it_got_blocks_frees_prefill_at_once(
@@ -483,7 +478,7 @@ def test_pull_decode_reads_nothing_with_coordinates_prefill_did_not_grant(
     pair.decode.step(KvpushMetadata(recv=[forged]))
     took = pair.run_until(lambda: pair.decode.recving)
     assert took < 2.0 and pair.decode.load_errors == {1, 9, 3}
-    assert torch.count_nonzero(tokens(pair.decode.caches, (1, 9, 3), NUM_TOKENS)) == 0
+    assert torch.count_nonzero(tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)) == 0
     failures = pair.decode.worker.stats_data()["failures"]
     assert failures == {"bad_grant": 1, "receive_failed": 1}
     # the genuine coordinates are read
@@ -499,8 +494,8 @@ def test_pull_decode_reads_nothing_with_coordinates_prefill_did_not_grant(
     pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert pair.decode.load_errors == set(), "the forged read left the genuine lease alone"
     assert pair.decode.worker.stats_data()["failures"] == {}
-    moved = tokens(pair.decode.caches, (1, 9, 3), NUM_TOKENS)
-    assert torch.equal(moved, tokens(pair.prefill.caches, PREFILL_BLOCKS, NUM_TOKENS))
+    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
+    assert torch.equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
 
 
 def test_pull_decode_with_twice_the_tp_reads_its_heads_and_frees_prefill_after_both(
@@ -520,11 +515,11 @@ def test_pull_decode_with_twice_the_tp_reads_its_heads_and_frees_prefill_after_b
             for side in (pair.prefill, *ranks):
                 side.step()
             time.sleep(0.001)
-        source = tokens(pair.prefill.caches, PREFILL_BLOCKS, NUM_TOKENS)
+        source = tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS)
         for rank, side in enumerate(ranks):
             assert side.load_errors == set()
-            heads = source[..., rank * DIM : (rank + 1) * DIM]
-            assert torch.equal(tokens(side.caches, (1, 9, 3), NUM_TOKENS), heads)
+            heads = source[:, :, rank : rank + 1]
+            assert torch.equal(tokens(side.cache, (1, 9, 3), NUM_TOKENS), heads)
         assert pair.prefill.worker.stats_data()["gauges"]["prefill_leases"] == 0
     finally:
         for side in ranks:

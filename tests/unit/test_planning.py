@@ -9,32 +9,62 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.core.planning import (
-    ORDERS,
     KVLayout,
-    Order,
     PlanError,
     WritePlan,
     check_mappable,
+    coalesce,
+    destinations,
     head_range,
     merge_runs,
-    peer_ranks,
     plan_transfer,
+    sources,
 )
 
-HB = 8  # bytes per head vector: head_dim 4 x 2-byte elements
+UNIT = 8  # bytes of one head of one token
+
+# Physical order of [layer, block, head, token] from outermost, as vLLM's KV cache layouts
+# name them (content is always innermost).
+ORDERS = {
+    "LBHNC": "LBHN",
+    "LBNHC": "LBNH",
+    "LHBNC": "LHBN",
+    "BLHNC": "BLHN",
+    "BLNHC": "BLNH",
+    "BHLNC": "BHLN",
+}
 
 
 def layout(
     heads: int = 4,
     block_size: int = 16,
-    order: Order = "NHD",
+    order: str = "LBNHC",
     num_blocks: int = 64,
     regions: int = 2,
     base: int = 0x10000,
+    total_heads: int | None = None,
+    sub_blocks: int = 1,
+    unit: int = UNIT,
 ) -> KVLayout:
-    block_bytes = block_size * heads * HB
-    bases = tuple(base + r * num_blocks * block_bytes for r in range(regions))
-    return KVLayout(bases, num_blocks, block_size, heads, 4, 2, order)
+    """A packed layout in one of vLLM's orders, strides computed innermost first."""
+    counts = {"L": regions, "B": num_blocks, "H": heads, "N": block_size}
+    strides: dict[str, int] = {}
+    stride = unit
+    for dim in reversed(ORDERS[order]):
+        strides[dim] = stride
+        stride *= counts[dim]
+    return KVLayout(
+        tuple(base + r * strides["L"] for r in range(regions)),
+        num_blocks,
+        block_size,
+        heads,
+        unit,
+        strides["B"],
+        strides["H"],
+        strides["N"],
+        total_heads if total_heads is not None else heads,
+        sub_blocks,
+    )
 
 
 def per_region(plan: WritePlan) -> list[int]:
@@ -46,18 +76,40 @@ def test_merge_runs() -> None:
     assert merge_runs([4, 5, 6, 9, 3, 4]) == [(4, 3), (9, 1), (3, 2)]
 
 
-def test_consecutive_blocks_become_one_descriptor_per_region() -> None:
-    src, dst = layout(), layout(base=0x900000)
+def test_coalesce_joins_runs_adjacent_on_both_sides_only() -> None:
+    assert coalesce([(20, 120, 4), (0, 100, 10), (10, 110, 10)]) == [(0, 100, 24)]
+    assert coalesce([(0, 100, 10), (10, 200, 10)]) == [(0, 100, 10), (10, 200, 10)]
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_consecutive_blocks_become_one_descriptor_per_region(order: str) -> None:
+    src, dst = layout(order=order), layout(order=order, base=0x900000)
     plan = plan_transfer(src, range(10, 20), dst, range(30, 40), 160)
-    assert per_region(plan) == [1, 1]
-    ((s, d, n),) = plan.regions[0]
-    assert (s, d, n) == (
-        src.region_bases[0] + 10 * src.block_bytes,
-        dst.region_bases[0] + 30 * dst.block_bytes,
-        10 * src.block_bytes,
-    )
-    assert plan.total_bytes == 2 * 160 * 4 * HB
-    assert plan.summary().descriptors == 2
+    assert plan.total_bytes == 2 * 160 * 4 * UNIT
+    if order.startswith("L"):
+        assert per_region(plan) == [1, 1]
+        ((s, d, n),) = plan.regions[0]
+        assert (s, d, n) == (
+            src.region_bases[0] + 10 * src.block_stride,
+            dst.region_bases[0] + 30 * dst.block_stride,
+            10 * src.block_bytes,
+        )
+    else:  # layers inside blocks: one run per block per layer, joined across layers
+        assert per_region(plan) == [10, 10]
+        assert plan.descriptors() == [
+            (
+                src.region_bases[0] + 10 * src.block_stride,
+                dst.region_bases[0] + 30 * dst.block_stride,
+                10 * 2 * src.block_bytes,
+            )
+        ]
+
+
+def test_heads_outside_blocks_move_one_run_per_head() -> None:
+    src, dst = layout(order="LHBNC"), layout(order="LHBNC", base=0x900000)
+    plan = plan_transfer(src, range(10, 20), dst, range(30, 40), 160)
+    assert per_region(plan) == [4, 4]
+    assert plan.total_bytes == 2 * 160 * 4 * UNIT
 
 
 def test_scattered_blocks_merge_only_where_both_sides_are_consecutive() -> None:
@@ -70,28 +122,54 @@ def test_scattered_blocks_merge_only_where_both_sides_are_consecutive() -> None:
 def test_extra_blocks_beyond_num_tokens_are_ignored() -> None:
     plan = plan_transfer(layout(), [0, 1, 2, 3], layout(), [5, 6, 7, 60], 20)
     assert per_region(plan) == [1, 1]
-    assert plan.total_bytes == 2 * 20 * 4 * HB
+    assert plan.total_bytes == 2 * 20 * 4 * UNIT
 
 
-def test_partial_last_block_hnd_splits_per_head() -> None:
+def test_partial_last_block_head_major_splits_per_head() -> None:
     # two whole blocks merge; the last, half-filled block is one run per head, and the
     # first head's run continues the whole blocks on both sides
-    src, dst = layout(order="HND"), layout(order="HND")
+    src, dst = layout(order="LBHNC"), layout(order="LBHNC")
     plan = plan_transfer(src, [0, 1, 2], dst, [4, 5, 6], 40)
     assert per_region(plan) == [4, 4]
-    assert plan.total_bytes == 2 * 40 * 4 * HB
+    assert plan.total_bytes == 2 * 40 * 4 * UNIT
 
 
-def test_partial_last_block_nhd_stays_contiguous() -> None:
+def test_partial_last_block_token_major_stays_contiguous() -> None:
     plan = plan_transfer(layout(), [0, 1, 2], layout(), [4, 5, 6], 40)
     assert per_region(plan) == [1, 1]
+
+
+def test_a_tail_from_first_token_lists_blocks_from_the_one_holding_it() -> None:
+    # decode cached tokens 0..31 (two blocks); prefill has blocks of 32, so token 32 sits
+    # in its second block
+    src, dst = layout(block_size=32), layout(block_size=16, base=0x900000)
+    plan = plan_transfer(src, [3, 7], dst, [11, 12, 13], 70, first_token=32)
+    assert plan.total_bytes == 2 * (70 - 32) * 4 * UNIT
+    first = plan.regions[0][0]
+    assert first[0] == src.region_bases[0] + 3 * src.block_stride
+    assert first[1] == dst.region_bases[0] + 11 * dst.block_stride
+    with pytest.raises(PlanError, match="no range"):
+        plan_transfer(src, [3, 7], dst, [11, 12, 13], 70, first_token=71)
+
+
+def test_scheduler_blocks_of_several_kernel_blocks() -> None:
+    # the scheduler's block 2 is kernel blocks 4 and 5 on the source
+    src = layout(block_size=16, sub_blocks=2)
+    dst = layout(block_size=32, base=0x900000)
+    plan = plan_transfer(src, [2], dst, [9], 32)
+    assert plan.regions[0] == (
+        (src.region_bases[0] + 4 * src.block_stride, dst.region_bases[0] + 9 * dst.block_stride,
+         32 * 4 * UNIT),
+    )  # fmt: skip
+    with pytest.raises(PlanError, match="outside the 32 registered"):
+        plan_transfer(src, [32], dst, [9], 32)
 
 
 def test_different_block_sizes_consecutive_merge_fully() -> None:
     src, dst = layout(block_size=16), layout(block_size=32)
     plan = plan_transfer(src, range(8), dst, range(2, 6), 128)
     assert per_region(plan) == [1, 1]
-    assert plan.total_bytes == 2 * 128 * 4 * HB
+    assert plan.total_bytes == 2 * 128 * 4 * UNIT
 
 
 def test_different_block_sizes_scattered_map_per_token_run() -> None:
@@ -101,54 +179,64 @@ def test_different_block_sizes_scattered_map_per_token_run() -> None:
     assert per_region(plan) == [3, 3]
 
 
-@pytest.mark.parametrize("order", ORDERS)
-def test_tp_1_to_2(order: Order) -> None:
-    src, dst = layout(heads=4, order=order), layout(heads=2, order=order)
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC"])
+def test_tp_1_to_2(order: str) -> None:
+    src, dst = layout(heads=4, order=order), layout(heads=2, order=order, total_heads=4)
     for dst_rank in (0, 1):
         plan = plan_transfer(src, range(4), dst, range(4), 64, dst_rank=dst_rank, dst_tp=2)
-        assert plan.total_bytes == 2 * 64 * 2 * HB
-        # HND moves a head range per block; NHD one run per token
-        assert per_region(plan) == ([4, 4] if order == "HND" else [64, 64])
+        assert plan.total_bytes == 2 * 64 * 2 * UNIT
+        # head-major moves a head range per block; token-major one run per token
+        assert per_region(plan) == ([4, 4] if order == "LBHNC" else [64, 64])
 
 
-@pytest.mark.parametrize("order", ORDERS)
-def test_tp_2_to_1(order: Order) -> None:
-    src, dst = layout(heads=2, order=order), layout(heads=4, order=order)
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC"])
+def test_tp_2_to_1(order: str) -> None:
+    src, dst = layout(heads=2, order=order, total_heads=4), layout(heads=4, order=order)
     for src_rank in (0, 1):
         plan = plan_transfer(src, range(4), dst, range(4), 50, src_rank=src_rank, src_tp=2)
-        assert plan.total_bytes == 2 * 50 * 2 * HB
-        # the last block holds 2 tokens: HND gives one run per head there
-        assert per_region(plan) == ([5, 5] if order == "HND" else [50, 50])
+        assert plan.total_bytes == 2 * 50 * 2 * UNIT
+        # the last block holds 2 tokens: head-major gives one run per head there
+        assert per_region(plan) == ([5, 5] if order == "LBHNC" else [50, 50])
 
 
-def test_peer_ranks() -> None:
-    assert list(peer_ranks(0, 1, 4)) == [0, 1, 2, 3]
-    assert list(peer_ranks(3, 4, 1)) == [0]
-    assert list(peer_ranks(1, 2, 8)) == [4, 5, 6, 7]
-    assert list(peer_ranks(5, 8, 2)) == [1]
+def test_sources_split_heads_and_share_replicas() -> None:
     assert head_range(1, 4, 8) == (2, 4)
+    assert sources(0, 1, 4, 8) == {0: (0, 2), 1: (2, 4), 2: (4, 6), 3: (6, 8)}
+    assert sources(3, 4, 1, 8) == {0: (6, 8)}
+    assert sources(1, 2, 8, 8) == {4: (4, 5), 5: (5, 6), 6: (6, 7), 7: (7, 8)}
+    # 2 KV heads over TP 4: ranks 0,1 hold head 0 and ranks 2,3 head 1
+    assert head_range(1, 4, 2) == (0, 1) and head_range(2, 4, 2) == (1, 2)
+    assert sources(0, 1, 4, 2) == {0: (0, 1), 2: (1, 2)}
+    # MLA: one latent every rank holds; consumer ranks take turns among the replicas
+    assert [sources(r, 4, 2, 1) for r in range(4)] == [{0: (0, 1)}, {1: (0, 1)}] * 2
+    assert destinations(1, 2, 4, 1) == [1, 3]
+    assert destinations(0, 1, 2, 4) == [0, 1]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"src_blocks": [0, 64]}, "outside the 64 registered blocks"),
+        ({"src_blocks": [-1, 0]}, "outside the 64 registered blocks"),
         ({"dst_blocks": [0]}, "needed"),
         ({"dst_blocks": [3, 3]}, "repeat"),
-        ({"num_tokens": -1}, "non-negative"),
+        ({"num_tokens": -1}, "no range"),
         ({"src_rank": 1}, "outside TP size"),
         ({"dst": layout(heads=2)}, "KV heads"),
-        ({"dst": layout(order="HND")}, "layout is NHD"),
-        ({"dst": layout(regions=3)}, "KV regions"),
+        ({"dst": layout(order="LBHNC")}, "token-major"),
+        ({"dst": layout(regions=3)}, "KV layers"),
+        ({"dst": layout(unit=16)}, "bytes per head"),
+        ({"dst": layout(heads=3, total_heads=3)}, "with 4 KV heads, dest 3"),
+        ({"src_tp": 3}, "do not split evenly"),
         (
             {
-                "src": layout(heads=2),
+                "src": layout(heads=2, total_heads=4),
                 "src_tp": 2,
                 "src_rank": 1,
-                "dst": layout(heads=2),
+                "dst": layout(heads=2, total_heads=4),
                 "dst_tp": 2,
             },
-            "share no KV heads",
+            "sends no KV heads",
         ),
     ],
 )
@@ -167,10 +255,19 @@ def test_invalid_plans_name_the_problem(kwargs: dict[str, object], message: str)
 
 def test_layout_validation() -> None:
     with pytest.raises(PlanError, match="no regions"):
-        KVLayout((), 4, 16, 4, 4, 2)
-    with pytest.raises(PlanError, match="block_stride"):
-        KVLayout((0,), 4, 16, 4, 4, 2, "NHD", 100)
-    assert check_mappable(layout(), layout(block_size=32, heads=2), 1, 2) is None
+        KVLayout((), 4, 16, 4, 8, 512, 128, 8, 4)
+    with pytest.raises(PlanError, match="overlap"):
+        KVLayout((0,), 4, 16, 4, 8, 100, 128, 8, 4)  # blocks closer than a block's cells
+    with pytest.raises(PlanError, match="multiple"):
+        layout(num_blocks=63, sub_blocks=2)
+    assert check_mappable(layout(), layout(block_size=32, heads=2, total_heads=4), 1, 2) is None
+
+
+def test_block_chunks_follow_the_layout() -> None:
+    assert layout(order="LBHNC").block_chunks() == ((0, 16 * 4 * UNIT),)
+    assert layout(order="BLNHC").block_chunks() == ((0, 16 * 4 * UNIT),)
+    heads_outside = layout(order="LHBNC", num_blocks=8)
+    assert heads_outside.block_chunks() == tuple((h * 8 * 16 * UNIT, 16 * UNIT) for h in range(4))
 
 
 def test_planning_1000_blocks_8_regions_is_fast() -> None:
@@ -190,8 +287,13 @@ def test_planning_1000_blocks_8_regions_is_fast() -> None:
 
 
 def address(lay: KVLayout, region: int, block: int, token: int, head: int) -> int:
-    inner = token * lay.num_heads + head if lay.order == "NHD" else head * lay.block_size + token
-    return lay.region_bases[region] + block * lay.stride + inner * lay.head_bytes
+    """Where (kernel) `block`'s `token` of local head `head` starts."""
+    return (
+        lay.region_bases[region]
+        + block * lay.block_stride
+        + head * lay.head_stride
+        + token * lay.token_stride
+    )
 
 
 @dataclass(frozen=True)
@@ -200,6 +302,7 @@ class Case:
     src_blocks: list[int]
     dst: KVLayout
     dst_blocks: list[int]
+    first_token: int
     num_tokens: int
     src_tp: int
     dst_tp: int
@@ -208,76 +311,91 @@ class Case:
 
 @st.composite
 def transfer_cases(draw: st.DrawFn) -> Case:
-    order = draw(st.sampled_from(ORDERS))
     total_heads = draw(st.sampled_from([1, 2, 4]))
-    tps = [t for t in (1, 2, 4) if total_heads % t == 0]
+    tps = [t for t in (1, 2, 4) if total_heads % t == 0 or t % total_heads == 0]
     src_tp, dst_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
-    head_dim, elem_size = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2]))
+    unit = draw(st.integers(1, 6))
     regions = draw(st.integers(1, 3))
     num_tokens = draw(st.integers(0, 24))
+    order = draw(st.sampled_from(sorted(ORDERS)))
 
-    def side(tp: int) -> tuple[KVLayout, list[int]]:
+    def side(tp: int, first_token: int) -> tuple[KVLayout, list[int]]:
         block_size = draw(st.integers(1, 6))
-        needed = -(-num_tokens // block_size)
+        sub = draw(st.sampled_from([1, 1, 2]))
+        block_tokens = block_size * sub
+        needed = -(-num_tokens // block_tokens) - first_token // block_tokens
         num_blocks = max(1, needed + draw(st.integers(0, 3)))
-        heads = total_heads // tp
-        block_bytes = block_size * heads * head_dim * elem_size
-        stride = draw(st.sampled_from([0, block_bytes + draw(st.integers(1, 9))]))
-        gap = draw(st.integers(0, 5))
-        span = (num_blocks - 1) * (stride or block_bytes) + block_bytes
-        bases = tuple(gap + r * (span + gap) for r in range(regions))
-        lay = KVLayout(bases, num_blocks, block_size, heads, head_dim, elem_size, order, stride)
+        heads = max(1, total_heads // tp)
+        lay = layout(
+            heads, block_size, order, num_blocks * sub, regions,
+            draw(st.integers(0, 5)), total_heads, sub, unit,
+        )  # fmt: skip
         ids = draw(st.permutations(range(num_blocks)))
         if draw(st.booleans()):
             ids = sorted(ids)
-        return lay, list(ids[: draw(st.integers(needed, num_blocks))])
+        return lay, list(ids[: draw(st.integers(max(needed, 0), num_blocks))])
 
-    src, src_blocks = side(src_tp)
-    dst, dst_blocks = side(dst_tp)
+    first_token = draw(st.integers(0, num_tokens))
+    src, src_blocks = side(src_tp, first_token)
+    dst, dst_blocks = side(dst_tp, first_token)
     dst_rank = draw(st.integers(0, dst_tp - 1))
-    return Case(src, src_blocks, dst, dst_blocks, num_tokens, src_tp, dst_tp, dst_rank)
+    return Case(
+        src, src_blocks, dst, dst_blocks, first_token, num_tokens, src_tp, dst_tp, dst_rank
+    )
 
 
 def memory_size(lay: KVLayout) -> int:
-    return lay.region_bases[-1] + lay.region_bytes + 7
+    return max(lay.region_bases) + lay.region_bytes + 7
 
 
-@settings(max_examples=150, deadline=None)
+def kernel_cell(lay: KVLayout, blocks: list[int], first_token: int, token: int) -> tuple[int, int]:
+    """(kernel block, token offset) of `token` in a list starting at `first_token`'s block."""
+    index = token // lay.block_tokens - first_token // lay.block_tokens
+    sub, offset = divmod(token % lay.block_tokens, lay.block_size)
+    return blocks[index] * lay.sub_blocks + sub, offset
+
+
+@settings(max_examples=200, deadline=None)
 @given(transfer_cases())
 def test_simulated_copy_places_every_byte_and_nothing_else(case: Case) -> None:
+    """Every producer rank's plan for one consumer rank, applied to random memory: each
+    of the consumer's heads of each token lands exactly once, nothing else changes."""
     src, dst, src_blocks, dst_blocks = case.src, case.dst, case.src_blocks, case.dst_blocks
-    num_tokens, src_tp, dst_tp, dst_rank = case.num_tokens, case.src_tp, case.dst_tp, case.dst_rank
+    first_token, num_tokens = case.first_token, case.num_tokens
+    src_tp, dst_tp, dst_rank = case.src_tp, case.dst_tp, case.dst_rank
     rng = np.random.default_rng(num_tokens)
     dst_mem = np.zeros(memory_size(dst), dtype=np.uint8)
     expected = dst_mem.copy()
-    total_heads = dst.num_heads * dst_tp
-    dst_first, _ = head_range(dst_rank, dst_tp, total_heads)
-    hb = dst.head_bytes
+    total = dst.total_heads
+    dst_first, dst_end = head_range(dst_rank, dst_tp, total)
+    unit = dst.unit_bytes
+    moved: list[int] = []
 
-    for src_rank in peer_ranks(dst_rank, dst_tp, src_tp):
-        assert dst_rank in peer_ranks(src_rank, src_tp, dst_tp)
+    for src_rank, (first, end) in sources(dst_rank, dst_tp, src_tp, total).items():
+        assert dst_rank in destinations(src_rank, src_tp, dst_tp, total)
+        moved += range(first, end)
         # every byte non-zero, distinct per rank, so a stray or missing write shows
         src_mem = rng.integers(1, 256, memory_size(src), dtype=np.uint8)
         plan = plan_transfer(
-            src, src_blocks, dst, dst_blocks, num_tokens,
+            src, src_blocks, dst, dst_blocks, num_tokens, first_token=first_token,
             src_rank=src_rank, src_tp=src_tp, dst_rank=dst_rank, dst_tp=dst_tp,
         )  # fmt: skip
-        src_first, src_end = head_range(src_rank, src_tp, total_heads)
-        first, end = max(src_first, dst_first), min(src_end, dst_first + dst.num_heads)
-        assert plan.total_bytes == src.num_regions * num_tokens * (end - first) * hb
-        for descs in plan.regions:
-            for s, d, n in descs:
-                assert n > 0
-                assert s >= 0 and s + n <= len(src_mem)
-                assert d >= 0 and d + n <= len(dst_mem)
-                dst_mem[d : d + n] = src_mem[s : s + n]
+        src_first, _ = head_range(src_rank, src_tp, total)
+        cells = src.num_regions * (num_tokens - first_token) * (end - first)
+        assert plan.total_bytes == cells * unit
+        for s, d, n in plan.descriptors():
+            assert n > 0
+            assert s >= 0 and s + n <= len(src_mem)
+            assert d >= 0 and d + n <= len(dst_mem)
+            dst_mem[d : d + n] = src_mem[s : s + n]
         for region in range(src.num_regions):
-            for token in range(num_tokens):
-                s_block = src_blocks[token // src.block_size]
-                d_block = dst_blocks[token // dst.block_size]
+            for token in range(first_token, num_tokens):
+                s_block, s_off = kernel_cell(src, src_blocks, first_token, token)
+                d_block, d_off = kernel_cell(dst, dst_blocks, first_token, token)
                 for head in range(first, end):
-                    s = address(src, region, s_block, token % src.block_size, head - src_first)
-                    d = address(dst, region, d_block, token % dst.block_size, head - dst_first)
-                    expected[d : d + hb] = src_mem[s : s + hb]
+                    s = address(src, region, s_block, s_off, head - src_first)
+                    d = address(dst, region, d_block, d_off, head - dst_first)
+                    expected[d : d + unit] = src_mem[s : s + unit]
 
+    assert sorted(moved) == list(range(dst_first, dst_end)), "every head from one producer"
     assert np.array_equal(dst_mem, expected)

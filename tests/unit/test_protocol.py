@@ -35,7 +35,8 @@ from kvpush.core.protocol import (
 
 SECRET = b"correct horse battery staple"
 
-LAYOUT = KVLayout((0x1000, 0x9000), 4, 16, 2, 4, 2, "HND")
+# 2 layers x 4 blocks of 16 tokens x 2 heads x 8 bytes, heads outermost in a block
+LAYOUT = KVLayout((0x1000, 0x9000), 4, 16, 2, 8, 256, 128, 8, 2)
 
 
 def hello(**changes: object) -> Hello:
@@ -45,7 +46,7 @@ def hello(**changes: object) -> Hello:
         role="prefill",
         mode="push",
         model="Qwen/Qwen3-32B",
-        dtype="bfloat16",
+        kv_dtype="bfloat16",
         tp_rank=0,
         tp_size=1,
         layout=LAYOUT,
@@ -98,14 +99,22 @@ def tp(draw: st.DrawFn) -> tuple[int, int]:
 @st.composite
 def hellos(draw: st.DrawFn) -> Hello:
     regions = draw(st.integers(1, 8))
+    blocks, tokens = draw(st.integers(1, 16)), draw(st.integers(1, 64))
+    heads = draw(st.integers(1, 8))
+    unit = draw(st.integers(1, 256))
+    head_major = draw(st.booleans())
+    head_stride, token_stride = (tokens * unit, unit) if head_major else (unit, heads * unit)
     lay = KVLayout(
-        tuple(0x10000 * (r + 1) for r in range(regions)),
-        draw(st.integers(1, 16)),
-        draw(st.integers(1, 64)),
-        draw(st.integers(1, 8)),
-        draw(st.integers(1, 256)),
-        draw(st.sampled_from([1, 2, 4])),
-        draw(st.sampled_from(["NHD", "HND"])),
+        tuple(0x100000 * (r + 1) for r in range(regions)),
+        blocks,
+        tokens,
+        heads,
+        unit,
+        heads * tokens * unit + draw(st.integers(0, 64)),
+        head_stride,
+        token_stride,
+        heads * draw(st.integers(1, 4)),
+        draw(st.sampled_from([1, blocks])),
     )
     rank, size = draw(tp())
     return Hello(
@@ -114,7 +123,7 @@ def hellos(draw: st.DrawFn) -> Hello:
         role=draw(st.sampled_from(["prefill", "decode"])),
         mode=draw(st.sampled_from(["push", "pull"])),
         model=draw(ids),
-        dtype=draw(st.sampled_from(["bfloat16", "float16", "fp8"])),
+        kv_dtype=draw(st.sampled_from(["bfloat16", "float16", "fp8_e4m3"])),
         tp_rank=rank,
         tp_size=size,
         layout=lay,
@@ -452,14 +461,17 @@ def test_compatible_peers() -> None:
         ({"mode": "pull"}, ["pull", "push", "same kvpush mode"]),
         ({"role": "prefill"}, ["both prefill", "connect a prefill instance"]),
         ({"model": "other/model"}, ["'other/model'", "'Qwen/Qwen3-32B'", "same model"]),
-        ({"dtype": "float16"}, ["float16", "bfloat16", "same KV cache dtype"]),
+        ({"kv_dtype": "float16"}, ["float16", "bfloat16", "--kv-cache-dtype"]),
         (
-            {"layout": dataclasses.replace(LAYOUT, head_dim=8)},
-            ["head_dim 4", "head_dim 8", "same model"],
+            {"layout": dataclasses.replace(LAYOUT, unit_bytes=4, head_stride=64, token_stride=4)},
+            ["8 bytes per head", "decode-0 4", "same KV cache dtype"],
         ),
-        ({"layout": dataclasses.replace(LAYOUT, order="NHD")}, ["HND", "NHD", "same KV cache"]),
-        ({"layout": dataclasses.replace(LAYOUT, num_heads=4)}, ["2 KV heads", "4 x TP 1"]),
-        ({"layout": dataclasses.replace(LAYOUT, elem_size=1)}, ["2-byte", "1-byte"]),
+        (
+            {"layout": dataclasses.replace(LAYOUT, head_stride=8, token_stride=16)},
+            ["head-major", "token-major", "same KV cache layout"],
+        ),
+        ({"layout": dataclasses.replace(LAYOUT, total_heads=4)}, ["2 KV heads", "decode-0 4"]),
+        ({"layout": dataclasses.replace(LAYOUT, region_bases=(0x1000,))}, ["2 KV layers"]),
     ],
 )
 def test_incompatible_peers_are_named(changes: dict[str, object], words: list[str]) -> None:

@@ -1,65 +1,16 @@
-"""The vLLM adapter's pure parts: KV tensor description and the scheduler-side hooks."""
+"""The vLLM adapter's scheduler-side hooks (the KV layout's reading: test_kv_layouts.py)."""
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
-from kvpush.core.planning import plan_transfer
 from kvpush.vllm.config import KvpushConfig
-from kvpush.vllm.layout import block_pieces, describe_kv_caches
 from kvpush.vllm.metadata import AbortSpec
 from kvpush.vllm.scheduler import SchedulerSide
-
-
-def cpu_caches(
-    layers: int = 2, blocks: int = 8, block_size: int = 4, heads: int = 2, dim: int = 8
-) -> dict[str, torch.Tensor]:
-    # vLLM's CPU attention backend: (num_blocks, 2, block_size, heads * head_dim)
-    return {
-        f"layer{i}": torch.zeros(blocks, 2, block_size, heads * dim, dtype=torch.bfloat16)
-        for i in range(layers)
-    }
-
-
-def test_cpu_kv_caches_become_one_region_per_layer_and_plane() -> None:
-    caches = cpu_caches()
-    layout, memory = describe_kv_caches(caches, block_size=4, num_heads=2, head_dim=8)
-    t0 = caches["layer0"]
-    assert layout.num_regions == 4 and layout.num_blocks == 8 and layout.order == "NHD"
-    assert layout.region_bases[:2] == (t0.data_ptr(), t0.data_ptr() + 4 * 16 * 2)
-    assert layout.block_bytes == 4 * 16 * 2 and layout.stride == 2 * layout.block_bytes
-    assert sorted(memory) == sorted((t.data_ptr(), t.numel() * 2) for t in caches.values())
-    pieces = block_pieces(layout)
-    assert len(pieces) == 4 * 8 and pieces[1] == (t0.data_ptr() + layout.stride, 128)
-
-
-def test_plan_over_described_tensors_copies_exactly_the_request() -> None:
-    src, dst = cpu_caches(), cpu_caches()
-    for t in src.values():
-        t.copy_(torch.randn(t.shape))
-    s_layout, _ = describe_kv_caches(src, 4, 2, 8)
-    d_layout, _ = describe_kv_caches(dst, 4, 2, 8)
-    plan = plan_transfer(s_layout, (5, 6), d_layout, (1, 7), num_tokens=6)
-    for region in plan.regions:
-        for s, d, n in region:
-            ctypes.memmove(d, s, n)
-    for name in src:
-        for plane in (0, 1):
-            assert torch.equal(dst[name][1, plane], src[name][5, plane])
-            assert torch.equal(dst[name][7, plane, :2], src[name][6, plane, :2])
-            assert not dst[name][7, plane, 2:].any(), "tokens past the request untouched"
-            assert not dst[name][0].any() and not dst[name][2:7].any()
-
-
-def test_unknown_kv_shapes_are_refused_clearly() -> None:
-    with pytest.raises(ValueError, match="does not understand"):
-        describe_kv_caches({"x": torch.zeros(3, 3, 3)}, 4, 2, 8)
 
 
 @dataclass
@@ -159,30 +110,6 @@ def test_config_rejects_unknown_keys_and_reads_the_side_channel_env() -> None:
         KvpushConfig.from_extra({"mode": "sideways"}, env={})
 
 
-@pytest.mark.parametrize("head_major", [False, True])
-def test_gpu_shaped_kv_caches_are_described_and_planned(head_major: bool) -> None:
-    # GPU backends allocate (2, num_blocks, block_size, heads, dim), or head-major
-    # (2, num_blocks, heads, block_size, dim); planned on host memory of the same shape.
-    shape = (2, 6, 2, 4, 8) if head_major else (2, 6, 4, 2, 8)
-    src = {f"l{i}": torch.randn(shape).to(torch.float16) for i in range(2)}
-    dst = {f"l{i}": torch.zeros(shape, dtype=torch.float16) for i in range(2)}
-    s_layout, memory = describe_kv_caches(src, block_size=4, num_heads=2, head_dim=8)
-    d_layout, _ = describe_kv_caches(dst, block_size=4, num_heads=2, head_dim=8)
-    assert s_layout.order == ("HND" if head_major else "NHD")
-    assert s_layout.num_regions == 4 and s_layout.num_blocks == 6
-    assert s_layout.region_bases[1] == src["l0"][1].data_ptr()
-    assert len(memory) == 2
-    plan = plan_transfer(s_layout, (4, 2), d_layout, (0, 5), num_tokens=8)
-    for region in plan.regions:
-        for s, d, n in region:
-            ctypes.memmove(d, s, n)
-    for name in src:
-        for kv in (0, 1):
-            assert torch.equal(dst[name][kv, 0], src[name][kv, 4])
-            assert torch.equal(dst[name][kv, 5], src[name][kv, 2])
-            assert not dst[name][kv, 1:5].any()
-
-
 def test_pull_prefill_keeps_its_blocks_and_answers_with_their_coordinates() -> None:
     from vllm.v1.request import RequestStatus
 
@@ -254,7 +181,7 @@ def test_pull_prefill_signs_its_coordinates_when_a_secret_is_set() -> None:
 def test_rejected_message_counts_reach_stats_once() -> None:
     from kvpush.vllm.worker import Identity, WorkerSide
 
-    worker = WorkerSide(KvpushConfig(), Identity("prefill-0", "prefill", "m", "bf16", 0, 1))
+    worker = WorkerSide(KvpushConfig(), Identity("prefill-0", "prefill", "m", 0, 1))
     server = SimpleNamespace(rejected={"bad_mac": 3})
     worker.server = server  # type: ignore[assignment]
     assert worker.stats_data()["rejected"] == {"bad_mac": 3}

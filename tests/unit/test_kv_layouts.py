@@ -1,0 +1,273 @@
+"""Oracle: every KV cache layout vLLM 0.32 can build, read by kvpush, planned and copied.
+
+The caches are built with vLLM's own helpers, as its model runner builds them
+(`get_kv_cache_config_from_groups` places the layers, `allocate_kv_cache` makes the
+per-layer views), for every `KVCacheLayout`, several KV-head counts, head sizes, block
+sizes, dtypes, kernel-block splits and MLA. kvpush describes them
+(`kvpush.vllm.layout`), and the checks go through vLLM's views, never kvpush's own
+arithmetic: the bytes kvpush moves for a block are exactly that block's bytes in every
+layer (no gap, no overlap, nothing outside), and copies planned between two caches (other
+layouts, block sizes, TP splits) make the destination's views equal the source's for the
+request's tokens and leave every other byte alone. No GPU needed: the GPU layouts are the
+same views over a CPU buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVQuantMode,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvpush.core.planning import head_range, plan_transfer, sources
+from kvpush.vllm.layout import (
+    UnsupportedKVCache,
+    block_pieces,
+    describe_kv_caches,
+    kv_cache_facts,
+    piece_indices,
+)
+from tests.vllm_caches import FP8, Cache, attention, build, fill, mla
+
+LAYOUTS = list(KVCacheLayout)
+NUM_BLOCKS = 6
+LAYERS = 3
+
+
+def addresses(pieces: list[tuple[int, int]], base: int, size: int) -> np.ndarray[Any, Any]:
+    """A mask of the buffer's bytes the (address, length) pieces cover; each byte once."""
+    mask = np.zeros(size, dtype=np.int32)
+    for address, length in pieces:
+        assert base <= address and address + length <= base + size, "piece outside the buffer"
+        mask[address - base : address - base + length] += 1
+    return mask
+
+
+def vllm_mask(cache: Cache, blocks: list[int]) -> np.ndarray[Any, Any]:
+    """The bytes vLLM's views give to `blocks` in every transferable layer."""
+    marks = torch.zeros_like(cache.buffer)
+    for name in cache.facts.layer_names:
+        for block in blocks:
+            cache.block_bytes(name, block, marks).fill_(1)
+    return marks.numpy().astype(np.int32)
+
+
+SPECS = [
+    pytest.param(attention(1, 128), id="mqa-h1-d128"),
+    pytest.param(attention(2, 64), id="h2-d64"),
+    pytest.param(attention(4, 128, block_size=32), id="h4-d128-b32"),
+    pytest.param(attention(8, 128), id="h8-d128"),
+    pytest.param(attention(8, 64, block_size=128), id="h8-d64-b128"),
+    pytest.param(attention(16, 256, block_size=16, dtype=torch.float16), id="h16-d256-fp16"),
+    pytest.param(attention(8, 128, block_size=64, dtype=torch.float32), id="h8-d128-b64-fp32"),
+    pytest.param(attention(8, 128, dtype=FP8), id="h8-d128-fp8"),
+    pytest.param(mla(), id="mla"),
+    pytest.param(mla(block_size=64, dtype=FP8), id="mla-b64-fp8"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_block_is_exactly_its_bytes_in_every_layer(spec: Any, layout: KVCacheLayout) -> None:
+    cache = build(spec, layout, cache_dtype="fp8" if spec.dtype == FP8 else "auto")
+    lay, buf = cache.layout, cache.buffer
+    base, size = buf.data_ptr(), buf.numel()
+    assert cache.memory == ((base, size),)
+    assert lay.num_regions == LAYERS and lay.scheduler_blocks == NUM_BLOCKS
+    assert lay.unit_bytes == spec.state_content_size_bytes
+    pieces = block_pieces(lay)
+    for blocks in ([0], [NUM_BLOCKS - 1], [1, 2, 4]):
+        expected = vllm_mask(cache, blocks)
+        # the prepared fast path: the pieces of these blocks, every layer
+        fast = [pieces[i] for i in piece_indices(lay, blocks)]
+        assert np.array_equal(addresses(fast, base, size), expected)
+        # the planner: all tokens of these blocks into the same blocks of a twin cache
+        plan = plan_transfer(lay, blocks, lay, blocks, len(blocks) * lay.block_tokens)
+        planned = [(s, n) for s, _, n in plan.descriptors()]
+        assert np.array_equal(addresses(planned, base, size), expected)
+    if layout.is_block_contiguous and layout.is_layer_compact:
+        assert len(plan.descriptors()) == LAYERS * 2  # blocks 1-2, block 4, per layer
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC])
+def test_scheduler_blocks_split_into_kernel_blocks(layout: KVCacheLayout) -> None:
+    cache = build(attention(4, 64, block_size=64), layout, kernel_block_size=16)
+    assert (cache.layout.sub_blocks, cache.layout.block_size) == (4, 16)
+    base, size = cache.buffer.data_ptr(), cache.buffer.numel()
+    plan = plan_transfer(cache.layout, [3, 1], cache.layout, [3, 1], 128)
+    planned = [(s, n) for s, _, n in plan.descriptors()]
+    assert np.array_equal(addresses(planned, base, size), vllm_mask(cache, [3, 1]))
+
+
+def copy(descriptors: list[tuple[int, int, int]]) -> None:
+    for s, d, n in descriptors:
+        ctypes.memmove(d, s, n)
+
+
+@dataclass(frozen=True)
+class Pair:
+    spec: Any
+    src_layout: KVCacheLayout
+    dst_layout: KVCacheLayout
+    dst_block_size: int
+
+
+# Copies between caches vLLM builds differently: other layouts with the same interior
+# order, other block sizes, layers inside or outside blocks.
+PAIRS = [
+    Pair(attention(8, 128), KVCacheLayout.LBHNC, KVCacheLayout.LBHNC, 16),
+    Pair(attention(8, 128), KVCacheLayout.LBHNC, KVCacheLayout.BLHNC, 32),
+    Pair(attention(4, 64, block_size=32), KVCacheLayout.LBNHC, KVCacheLayout.BLNHC, 16),
+    Pair(attention(4, 64), KVCacheLayout.LHBNC, KVCacheLayout.BHLNC, 64),
+    Pair(attention(2, 128), KVCacheLayout.BHLNC, KVCacheLayout.LBHNC, 16),
+    Pair(attention(1, 128), KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, 32),
+    Pair(mla(), KVCacheLayout.LBHNC, KVCacheLayout.BLNHC, 64),
+]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p.src_layout.name}-{p.dst_layout.name}"
+                         f"-b{p.dst_block_size}-h{p.spec.num_kv_heads}")  # fmt: skip
+@pytest.mark.parametrize("first_token", [0, 64])
+def test_copies_between_caches_match_through_vllms_views(pair: Pair, first_token: int) -> None:
+    src = build(pair.spec, pair.src_layout)
+    dst_spec = pair.spec.copy_with_new_block_size(pair.dst_block_size)
+    dst = build(dst_spec, pair.dst_layout)
+    fill(src, 1)
+    fill(dst, 2)
+    before = dst.buffer.clone()
+    num_tokens = 70
+    src_ids, dst_ids = [4, 0, 5, 1, 2], [3, 5, 0, 1, 4]
+    src_from = first_token // src.layout.block_tokens
+    dst_from = first_token // dst.layout.block_tokens
+    plan = plan_transfer(
+        src.layout, src_ids[src_from:], dst.layout, dst_ids[dst_from:], num_tokens,
+        first_token=first_token,
+    )  # fmt: skip
+    copy(plan.descriptors())
+    heads = slice(None)
+    for name in src.facts.layer_names:
+        got = dst.tokens(name, dst_ids, num_tokens, heads)
+        want = src.tokens(name, src_ids, num_tokens, heads)
+        assert torch.equal(got[first_token:], want[first_token:]), name
+    written = [(d, n) for _, d, n in plan.descriptors()]
+    touched = addresses(written, dst.buffer.data_ptr(), dst.buffer.numel()) > 0
+    unchanged = (dst.buffer == before).numpy()
+    assert unchanged[~touched].all(), "a byte outside the request's cells changed"
+
+
+@pytest.mark.parametrize(
+    ("spec", "src_tp", "dst_tp", "kv_heads"),
+    [
+        pytest.param(attention(8, 64), 1, 2, 8, id="8-heads-tp1-to-tp2"),
+        pytest.param(attention(4, 64), 2, 1, 8, id="8-heads-tp2-to-tp1"),
+        pytest.param(attention(2, 64), 4, 2, 8, id="8-heads-tp4-to-tp2"),
+        pytest.param(attention(1, 64), 4, 1, 2, id="2-heads-replicated-tp4-to-tp1"),
+        pytest.param(mla(), 2, 4, 1, id="mla-tp2-to-tp4"),
+    ],
+)
+def test_tensor_parallel_ranks_get_their_heads_from_the_right_producers(
+    spec: Any, src_tp: int, dst_tp: int, kv_heads: int
+) -> None:
+    """Consumer rank r's cache equals the single-rank truth for r's heads, assembled
+    from the producer ranks `sources` names."""
+    full_heads = 1 if isinstance(spec, MLAAttentionSpec) else kv_heads
+    truth = build(attention(full_heads, spec.head_size) if full_heads > 1 else spec,
+                  KVCacheLayout.LBHNC)  # fmt: skip
+    fill(truth, 7)
+
+    def rank_spec(tp: int) -> Any:
+        if isinstance(spec, MLAAttentionSpec):
+            return spec
+        return attention(max(1, kv_heads // tp), spec.head_size)
+
+    producers = []
+    for rank in range(src_tp):
+        cache = build(rank_spec(src_tp), KVCacheLayout.LBHNC, tp_size=src_tp,
+                      model_kv_heads=kv_heads)  # fmt: skip
+        first, end = head_range(rank, src_tp, cache.layout.total_heads)
+        for name in truth.facts.layer_names:
+            for block in range(NUM_BLOCKS):
+                cache.block_bytes(name, block).copy_(truth.block_bytes(name, block)[:, first:end])
+        producers.append(cache)
+    num_tokens = 40
+    blocks = [2, 0, 3]
+    for rank in range(dst_tp):
+        dst = build(rank_spec(dst_tp), KVCacheLayout.LBHNC, tp_size=dst_tp,
+                    model_kv_heads=kv_heads)  # fmt: skip
+        fill(dst, 9)
+        for src_rank in sources(rank, dst_tp, src_tp, dst.layout.total_heads):
+            plan = plan_transfer(
+                producers[src_rank].layout, blocks, dst.layout, [5, 1, 4], num_tokens,
+                src_rank=src_rank, src_tp=src_tp, dst_rank=rank, dst_tp=dst_tp,
+            )  # fmt: skip
+            copy(plan.descriptors())
+        first, end = head_range(rank, dst_tp, dst.layout.total_heads)
+        for name in truth.facts.layer_names:
+            got = dst.tokens(name, [5, 1, 4], num_tokens, slice(None))
+            want = truth.tokens(name, blocks, num_tokens, slice(first, end))
+            assert torch.equal(got, want), (name, rank)
+
+
+def test_kv_dtypes_are_named_for_the_handshake() -> None:
+    assert build(attention(2, 64), KVCacheLayout.LBHNC).facts.kv_dtype == "bfloat16"
+    fp8 = build(attention(2, 64, dtype=FP8), KVCacheLayout.LBHNC, cache_dtype="fp8")
+    assert fp8.facts.kv_dtype == "fp8_e4m3"
+    assert build(mla(), KVCacheLayout.LBHNC, tp_size=4).facts.total_heads == 1
+
+
+def refused(groups: list[KVCacheGroupSpec], **kwargs: Any) -> str:
+    config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=groups)
+    args: dict[str, Any] = {"model": "org/model", "tp_size": 1, "model_kv_heads": 2,
+                            "cache_dtype": "auto"} | kwargs  # fmt: skip
+    with pytest.raises(UnsupportedKVCache) as failure:
+        kv_cache_facts(config, **args)
+    message = str(failure.value)
+    assert "org/model" in message and "one KV cache group of full attention or MLA" in message
+    return message
+
+
+def test_what_kvpush_cannot_move_exactly_is_refused_at_start() -> None:
+    full = KVCacheGroupSpec(["a"], attention(2, 64))
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
+    )
+    assert "2 KV cache groups" in refused([full, KVCacheGroupSpec(["b"], window)])
+    assert "SlidingWindowSpec" in refused([KVCacheGroupSpec(["b"], window)])
+    per_token = FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.int8,
+        kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD,
+    )  # fmt: skip
+    assert "int8_per_token_head" in refused(
+        [KVCacheGroupSpec(["a"], per_token)], cache_dtype="int8_per_token_head"
+    )
+    assert "context parallelism" in refused([full], dcp_size=2)
+
+
+def test_views_that_do_not_follow_the_resolved_layout_are_refused() -> None:
+    cache = build(attention(4, 64), KVCacheLayout.LBHNC)
+    with pytest.raises(UnsupportedKVCache, match="do not follow vLLM's resolved KV cache layout"):
+        describe_kv_caches(cache.facts, cache.views, "LBNHC")
+    views = dict(cache.views)
+    views.pop(cache.facts.layer_names[1])
+    with pytest.raises(UnsupportedKVCache, match="no KV cache for layers"):
+        describe_kv_caches(cache.facts, views, "LBHNC")
+
+
+def test_every_layout_is_covered() -> None:
+    assert {layout.name for layout in LAYOUTS} == {
+        "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"
+    }  # fmt: skip
+    assert len(list(itertools.product(LAYOUTS, SPECS))) == 60
