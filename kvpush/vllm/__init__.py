@@ -2,8 +2,10 @@
 
     "kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.vllm"
 
-The connector is imported on first access, so the adapter's light modules (config,
-layout) can be used without importing vLLM.
+vLLM takes the class from this module, and the first access checks the environment
+(`kvpush.vllm.preflight`: a supported vLLM, an importable NIXL) before importing it. The
+connector is imported on first access, so the adapter's light modules (config, layout) can
+be used without importing vLLM.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ __all__ = ["KvpushConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "KvpushConnector":
+        from kvpush.vllm.preflight import preflight
+
+        preflight()
         from kvpush.vllm.connector import KvpushConnector
 
         return KvpushConnector
