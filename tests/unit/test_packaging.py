@@ -1,5 +1,5 @@
-"""Packaging: extras vs. imports, the version, the CLI's one-line hints, and the environment
-checks the connector runs at start.
+"""Packaging: extras vs. imports, the version, the CLI's one-line hints, the environment
+checks the connector runs at start, and the vLLM plugin.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 import kvpush
 from kvpush import cli, extras
-from kvpush.vllm import preflight
+from kvpush.vllm import plugin, preflight
 from kvpush.vllm.preflight import ALLOW_ENV, SUPPORTED_VLLM, EnvironmentProblem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,3 +235,38 @@ def test_resolving_the_connector_runs_the_checks_first(monkeypatch: pytest.Monke
     with pytest.raises(EnvironmentProblem):
         kvpush.vllm.KvpushConnector  # noqa: B018
     assert "kvpush.vllm.connector" not in sys.modules, "checked before vLLM's classes load"
+
+
+# -- the vLLM plugin -------------------------------------------------------------------
+
+
+def test_the_plugin_is_declared_for_vllm() -> None:
+    target = PYPROJECT["entry-points"]["vllm.general_plugins"]["kvpush"]
+    assert target == "kvpush.vllm.plugin:register"
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is plugin.register
+
+
+def test_plugin_registers_the_connector_with_vllms_factory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvpush.vllm.connector import KvpushConnector
+
+    # A copy of vLLM's registry for this test, so the registration does not outlive it.
+    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    by_name = KVTransferConfig(kv_connector="KvpushConnector", kv_role="kv_producer")
+    with pytest.raises(ValueError, match="Unsupported connector type"):
+        KVConnectorFactory.get_connector_class(by_name)
+
+    plugin.register()
+    plugin.register()  # vLLM refuses a second registration; the plugin must not fail
+    assert KVConnectorFactory.get_connector_class(by_name) is KvpushConnector
+    by_path = KVTransferConfig(
+        kv_connector="KvpushConnector",
+        kv_connector_module_path="kvpush.vllm",
+        kv_role="kv_producer",
+    )
+    assert KVConnectorFactory.get_connector_class(by_path) is KvpushConnector
