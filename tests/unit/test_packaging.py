@@ -1,5 +1,7 @@
 """Packaging: extras vs. imports, the version, the CLI's one-line hints, the environment
 checks the connector runs at start, and the vLLM plugin.
+
+The built wheel in a fresh venv is tests/install/test_wheel.py.
 """
 
 from __future__ import annotations
