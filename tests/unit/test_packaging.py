@@ -111,6 +111,12 @@ def test_one_version_source() -> None:
     assert setuptools["dynamic"]["version"] == {"attr": "kvpush.__version__"}
 
 
+def test_readme_states_the_supported_vllm_and_the_install_line() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert f"vLLM {SUPPORTED_VLLM}" in readme and ALLOW_ENV in readme
+    assert "pip install '.[proxy]'" in readme and "pip install nixl" in readme
+
+
 # -- the command line ------------------------------------------------------------------
 
 
