@@ -21,7 +21,7 @@ venv with its own.
   There vLLM's own plugin loader registers "KvpushConnector" and vLLM's connector factory
   resolves it, with and without kv_connector_module_path.
 
-Marked `install` (about 40 s on 2 cores): `pytest -m "not install"` leaves it out.
+Marked `install` (35-60 s on 2 busy cores): `pytest -m "not install"` leaves it out.
 """
 
 from __future__ import annotations
