@@ -3,7 +3,8 @@
 Each tool module exposes `register(subparsers)` which adds its parser and sets `func`
 (a callable taking the parsed namespace and returning an exit code). Tool modules are
 imported here, but keep their heavy imports (torch, vLLM, NIXL) inside functions so that
-`kvpush --help` stays fast.
+`kvpush --help` stays fast. A command that misses an optional dependency prints one line
+naming the extra to install (`kvpush.extras`), not a traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+from kvpush import __version__
+from kvpush.extras import missing_module_hint, precheck
+from kvpush.vllm.preflight import SUPPORTED_VLLM, EnvironmentProblem
 
 TOOLS = (
     "kvpush.testbed.model",
@@ -28,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpush",
         description="KV-cache handoff tools for prefill/decode disaggregated vLLM serving.",
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvpush {__version__} (supports vLLM {SUPPORTED_VLLM})",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in TOOLS:
         importlib.import_module(name).register(subparsers)
@@ -35,11 +45,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    command: str | None = None
     try:
+        args = build_parser().parse_args(argv)
+        command = args.command
+        hint = precheck(command)
+        if hint is not None:
+            print(hint, file=sys.stderr)
+            return 1
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        hint = missing_module_hint(command, exc)
+        if hint is None:
+            raise
+        print(hint, file=sys.stderr)
+        return 1
+    except EnvironmentProblem as exc:
+        print(f"kvpush {command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

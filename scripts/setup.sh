@@ -19,6 +19,11 @@ pip install --no-deps -r requirements.lock
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 pip install --no-deps -e .
 "$VENV/bin/python" -c "import vllm, nixl, torch, transformers; assert '+cpu' in torch.__version__, torch.__version__"
+# For tests/install, which builds kvpush's wheel and installs it into a fresh venv with no
+# network: wheels of what `pip install 'kvpush[proxy]'` brings, at the lock's versions, and
+# of the build backend this venv has. Not installed here.
+setuptools=$("$VENV/bin/python" -c "import setuptools; print(setuptools.__version__)")
+pip download -d "$VENV/wheelhouse" -c requirements.lock ".[proxy]" "setuptools==$setuptools"
 rm -f "$VENV"/.kvpush-setup-*
 touch "$stamp"
 echo "kvpush setup: done"

@@ -529,7 +529,7 @@ def pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlanError("--plot needs matplotlib; pip install matplotlib or drop --plot") from None
+        raise PlanError("--plot needs matplotlib: pip install 'kvpush[bench]'") from None
     return plt
 
 
