@@ -1,10 +1,19 @@
 """`kvpush model tiny DIR`: build a small random-weight model, fully offline.
 
-The model is a Qwen2-architecture decoder with random weights and a byte-level BPE
+The model is a Qwen2-architecture decoder (or, with --arch deepseek_v2, a DeepSeek-V2
+style one with multi-head latent attention, MLA) with random weights and a byte-level BPE
 tokenizer trained locally on a synthetic corpus. Its outputs are gibberish but
 deterministic at temperature 0, which is what equality tests need. The shape flags let a
 benchmark choose how many KV bytes each token carries:
-    kv_bytes_per_token = layers * 2 (K and V) * kv_heads * head_dim * dtype_bytes
+    qwen2:       kv_bytes_per_token = layers * 2 (K and V) * kv_heads * head_dim * dtype_bytes
+    deepseek_v2: kv_bytes_per_token = layers * (512 latent + 64 rotary) * dtype_bytes
+(MLA's latent width is fixed at DeepSeek's 512 + 64, the only one vLLM's CPU kernel runs;
+--head-dim sets its per-head query/value width, and --kv-heads is not used.)
+
+examples:
+  kvpush model tiny models/tiny
+  kvpush model tiny models/gqa8 --heads 16 --kv-heads 8 --head-dim 128
+  kvpush model tiny models/mla --arch deepseek_v2
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+ARCHS = ("qwen2", "deepseek_v2")
+MLA_LATENT, MLA_ROPE = 512, 64
 
 # Words that make prompts such as "Tell me about the weather" tokenize into few tokens.
 _COMMON_WORDS = """
@@ -74,6 +85,7 @@ class TinyModelSpec:
     max_positions: int = 32768
     dtype: str = "bfloat16"
     seed: int = 0
+    arch: str = "qwen2"
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "kv_heads", "head_dim", "intermediate_size"):
@@ -85,6 +97,8 @@ class TinyModelSpec:
             )
         if self.vocab_size < 300:
             raise ValueError("--vocab-size must be at least 300 (256 bytes + merges + specials)")
+        if self.arch not in ARCHS:
+            raise ValueError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
@@ -94,6 +108,8 @@ class TinyModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        if self.arch == "deepseek_v2":
+            return self.layers * (MLA_LATENT + MLA_ROPE) * DTYPE_BYTES[self.dtype]
         return self.layers * 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
@@ -147,28 +163,47 @@ def build_tokenizer(spec: TinyModelSpec, out: Path) -> tuple[int, int]:
 def build_tiny_model(out: Path, spec: TinyModelSpec) -> dict[str, Any]:
     """Write config, random weights and tokenizer to `out`; returns a summary."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     out.mkdir(parents=True, exist_ok=True)
     vocab, eos = build_tokenizer(spec, out)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        dtype=spec.dtype,
-    )
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "max_position_embeddings": spec.max_positions,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.2,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "dtype": spec.dtype,
+    }
+    config: transformers.PretrainedConfig
+    model_class: type[transformers.PreTrainedModel]
+    if spec.arch == "deepseek_v2":
+        config = transformers.DeepseekV2Config(
+            **common,
+            num_key_value_heads=spec.heads,
+            kv_lora_rank=MLA_LATENT,
+            qk_rope_head_dim=MLA_ROPE,
+            q_lora_rank=None,
+            qk_nope_head_dim=spec.head_dim,
+            v_head_dim=spec.head_dim,
+            # dense MLPs only: a few (unused) experts satisfy the config's types
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=spec.intermediate_size // 4,
+            first_k_dense_replace=spec.layers,
+        )
+        model_class = transformers.DeepseekV2ForCausalLM
+    else:
+        config = transformers.Qwen2Config(**common, num_key_value_heads=spec.kv_heads)
+        model_class = transformers.Qwen2ForCausalLM
     torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config).to(  # type: ignore[no-untyped-call]
-        getattr(torch, spec.dtype)
-    )
+    model = model_class(config).to(getattr(torch, spec.dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": eos, "eos_token_id": eos, "do_sample": False}, indent=2)
@@ -217,6 +252,12 @@ def register(subparsers: Any) -> None:
     tiny.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
     tiny.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     tiny.add_argument("--dtype", default=defaults.dtype, choices=sorted(DTYPE_BYTES))
+    tiny.add_argument(
+        "--arch",
+        default=defaults.arch,
+        choices=ARCHS,
+        help="qwen2 (grouped-query attention) or deepseek_v2 (MLA); default qwen2",
+    )
     tiny.add_argument("--seed", type=int, default=defaults.seed)
     tiny.set_defaults(func=_run_tiny)
 
@@ -232,14 +273,17 @@ def _run_tiny(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size,
             dtype=args.dtype,
             seed=args.seed,
+            arch=args.arch,
         )
     except ValueError as exc:
         print(f"kvpush model tiny: {exc}")
         return 2
     summary = build_tiny_model(args.dir, spec)
     print(
-        f"built {summary['path']}: {spec.layers} layers, {spec.kv_heads} KV heads x "
-        f"{spec.head_dim} dims, {spec.dtype}, vocab {summary['vocab']}, "
+        f"built {summary['path']}: {spec.arch}, {spec.layers} layers, "
+        + ("MLA latent 512+64" if spec.arch == "deepseek_v2" else
+           f"{spec.kv_heads} KV heads x {spec.head_dim} dims")  # fmt: skip
+        + f", {spec.dtype}, vocab {summary['vocab']}, "
         f"{spec.kv_bytes_per_token} KV bytes/token"
     )
     return 0
