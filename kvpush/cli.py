@@ -3,7 +3,8 @@
 Each tool module exposes `register(subparsers)` which adds its parser and sets `func`
 (a callable taking the parsed namespace and returning an exit code). Tool modules are
 imported here, but keep their heavy imports (torch, vLLM, NIXL) inside functions so that
-`kvpush --help` stays fast.
+`kvpush --help` stays fast. Every parser is a `kvpush.args.Parser`: a wrong flag is one line
+on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+from kvpush.args import Parser
 
 TOOLS = (
     "kvpush.testbed.model",
@@ -24,7 +27,7 @@ TOOLS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvpush",
         description="KV-cache handoff tools for prefill/decode disaggregated vLLM serving.",
     )
