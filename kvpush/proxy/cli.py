@@ -8,11 +8,13 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
+from kvpush.args import at_least, non_negative, port, positive
 from kvpush.proxy import bench
-from kvpush.proxy.balance import POLICIES
+from kvpush.proxy.balance import POLICIES, check_policy
 from kvpush.proxy.rewrite import MODES, parse_backend
 
 EPILOG = """\
@@ -25,12 +27,13 @@ backends:
       prefill = ["http://10.0.0.1:8100,engine=prefill-0,kv=10.0.0.1:5600,tp=8"]
       decode = ["http://10.0.0.2:8200", "http://10.0.0.3:8200"]
 
-choice (--policy):
-  least-loaded (default) sends each leg where it should finish first: the work the proxy has
+choice (--policy for both roles, or --prefill-policy / --decode-policy):
+  least_loaded (default) sends each leg where it should finish first: the work the proxy has
   in flight there (prefill: prompt tokens; decode: requests), plus what the backend reports
   waiting when --scrape-interval reads its /metrics, times how fast it has been lately.
   Push chooses decode when the request arrives; pull chooses it after prefill answered.
-  round-robin takes healthy backends in turn (to compare against).
+  round_robin takes healthy backends in turn (to compare against). The names are spelled
+  as vLLM's and SGLang's routers spell them; least-loaded and round-robin work too.
 
 health:
   every --health-interval seconds each backend gets GET /health; after --eject-after failures
@@ -81,52 +84,66 @@ def register(subparsers: Any) -> None:
         "re-read when it changes",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (default %(default)s)")
+    parser.add_argument(
+        "--port",
+        type=port(allow_zero=True),
+        default=8000,
+        help="port to bind, 1-65535, or 0 for any free one (default %(default)s)",
+    )
+    policy_names = "{" + ",".join(POLICIES) + "}"
     parser.add_argument(
         "--policy",
-        choices=POLICIES,
-        default="least-loaded",
-        help="how to choose among backends (default %(default)s)",
+        type=policy,
+        metavar=policy_names,
+        default="least_loaded",
+        help="how to choose among backends, for both roles (default %(default)s)",
     )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-policy",
+            type=policy,
+            metavar=policy_names,
+            help=f"how to choose among {role} backends (default: --policy)",
+        )
     parser.add_argument(
         "--retries",
         metavar="N",
-        type=int,
+        type=at_least(0),
         default=1,
         help="times a leg may be resent elsewhere where that is safe (default %(default)s)",
     )
     parser.add_argument(
         "--health-interval",
         metavar="S",
-        type=float,
+        type=positive(),
         default=2.0,
         help="seconds between health checks of each backend (default %(default)s)",
     )
     parser.add_argument(
         "--health-timeout",
         metavar="S",
-        type=float,
+        type=positive(),
         default=5.0,
         help="seconds a health check (or /metrics read) may take (default %(default)s)",
     )
     parser.add_argument(
         "--eject-after",
         metavar="N",
-        type=int,
+        type=at_least(1),
         default=3,
         help="failed health checks in a row that eject a backend (default %(default)s)",
     )
     parser.add_argument(
         "--return-after",
         metavar="N",
-        type=int,
+        type=at_least(1),
         default=2,
         help="passing health checks that bring it back (default %(default)s)",
     )
     parser.add_argument(
         "--scrape-interval",
         metavar="S",
-        type=float,
+        type=non_negative(),
         default=0.0,
         help="read each backend's /metrics (vLLM's waiting queue, KV usage) this often, in "
         "seconds, for the choice (default 0: off; the proxy's own counts only)",
@@ -141,14 +158,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--request-timeout",
         metavar="S",
-        type=float,
+        type=positive(),
         default=300.0,
         help="seconds a request may take end to end before it fails with 504 (default %(default)s)",
     )
     parser.add_argument(
         "--connect-timeout",
         metavar="S",
-        type=float,
+        type=positive(),
         default=5.0,
         help="seconds to connect to a backend (default %(default)s)",
     )
@@ -159,10 +176,22 @@ def register(subparsers: Any) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPUSH_API_KEY, else none)",
     )
     parser.add_argument(
-        "--max-body-mb", type=float, default=8.0, help="largest request body accepted (MiB)"
+        "--max-body-mb",
+        metavar="MIB",
+        type=positive(),
+        default=8.0,
+        help="largest request body accepted, in MiB (default %(default)s)",
     )
     parser.set_defaults(func=run)
     bench.register(parser.add_subparsers(dest="proxy_command", metavar="{bench}"))
+
+
+def policy(name: str) -> str:
+    """An argparse type: a balancing policy's name (an alias is accepted)."""
+    try:
+        return check_policy(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -190,6 +219,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         api_key=args.api_key or None,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
         retries=args.retries,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
@@ -206,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"kvpush proxy: {exc} (see kvpush proxy -h)")
+        print(f"kvpush proxy: {exc} (see kvpush proxy -h)", file=sys.stderr)
         return 2
     use_uvloop()
     return asyncio.run(_serve(config, args.host, args.port))
@@ -222,19 +253,35 @@ def use_uvloop() -> None:
         pass
 
 
+def describe(config: Any) -> str:
+    """'(pull, least_loaded): 1 prefill, 2 decode backends', policies per role if they differ."""
+    prefill, decode = config.policies["prefill"], config.policies["decode"]
+    choice = prefill if prefill == decode else f"prefill {prefill}, decode {decode}"
+    return (
+        f"({config.mode}, {choice}): {len(config.prefill)} prefill, "
+        f"{len(config.decode)} decode backends,"
+    )
+
+
+def listening_url(runner: Any) -> str:
+    """Where the proxy really listens (with --port 0, the port the system chose)."""
+    host, bound = runner.addresses[0][:2]
+    return f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+
+
 async def _serve(config: Any, host: str, port: int) -> int:
     from kvpush.proxy.server import start_proxy
 
     try:
         runner = await start_proxy(config, host, port)
     except OSError as exc:
-        print(f"kvpush proxy: cannot listen on {host}:{port}: {exc.strerror}; pick another --port")
-        return 1
-    print(
-        f"kvpush proxy ({config.mode}, {config.policy}) listening on http://{host}:{port}: "
-        f"{len(config.prefill)} prefill, {len(config.decode)} decode backends",
-        flush=True,
-    )
+        print(
+            f"kvpush proxy: cannot listen on {host}:{port}: {exc.strerror}; "
+            "pick another --port or --host",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"kvpush proxy {describe(config)} listening on {listening_url(runner)}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -95,7 +95,9 @@ class ProxyConfig:
     connect_timeout: float = 5.0
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
-    policy: str = "least-loaded"
+    policy: str = "least_loaded"  # both roles, unless one has its own below
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
     retries: int = 1
     health_interval: float = 2.0
     health_timeout: float = 5.0
@@ -105,6 +107,7 @@ class ProxyConfig:
     admin_token: str | None = None
     fleet_file: Path | None = None  # re-read when it changes
     health: HealthRules = field(init=False)
+    policies: dict[str, str] = field(init=False)  # role -> policy, as balance.POLICIES spells it
 
     def __post_init__(self) -> None:
         if self.mode not in rewrite.MODES:
@@ -116,8 +119,14 @@ class ProxyConfig:
             raise ValueError("--health-interval must be positive and --scrape-interval >= 0")
         if self.retries < 0:
             raise ValueError("--retries must be 0 or more")
+        if self.max_body_bytes < 1:
+            raise ValueError("--max-body-mb must be above 0")
         self.health = HealthRules(self.eject_after, self.return_after)
-        check_policy(self.policy)
+        both = check_policy(self.policy)
+        self.policies = {
+            "prefill": check_policy(self.prefill_policy or both),
+            "decode": check_policy(self.decode_policy or both),
+        }
 
 
 class _FleetCollector(Collector):
@@ -245,7 +254,7 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.pools = {role: Pool(role, config.policy, config.health) for role in ROLES}
+        self.pools = {role: Pool(role, config.policies[role], config.health) for role in ROLES}
         for backend in config.prefill:
             self.pools["prefill"].add(backend)
         for backend in config.decode:
@@ -685,7 +694,7 @@ class Proxy:
         if refusal:
             return refusal
         now = time.monotonic()
-        view: dict[str, Any] = {"mode": self.config.mode, "policy": self.config.policy}
+        view: dict[str, Any] = {"mode": self.config.mode, "policies": self.config.policies}
         for role, pool in self.pools.items():
             view[role] = [_state_view(pool, s, now) for s in pool]
         return web.json_response(view)
