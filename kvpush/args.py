@@ -5,7 +5,7 @@
   one (`kvpush up --vllm-args "--enable-prefix-caching"`), where plain argparse would
   read the value as an unknown option and say "expected one argument".
 - argparse types that check a number where it is parsed, so the error names the flag and
-  the range: `port`, `positive`, `at_least`, `non_negative`.
+  the range: `port_number`, `positive`, `non_negative`, `at_least`.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _checked(
     return parse
 
 
-def port(allow_zero: bool = False) -> Callable[[str], int]:
+def port_number(allow_zero: bool = False) -> Callable[[str], int]:
     """A TCP port, 1-65535; with `allow_zero`, 0 too (any free port, chosen when binding)."""
     low = 0 if allow_zero else 1
     rule = "a port is 1-65535" + (" (or 0: any free port)" if allow_zero else "")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpush.args import at_least, non_negative, port, positive
+from kvpush.args import at_least, non_negative, port_number, positive
 from kvpush.proxy import bench
 from kvpush.proxy.balance import POLICIES, check_policy
 from kvpush.proxy.rewrite import MODES, parse_backend
@@ -43,6 +43,19 @@ health:
   before answering, is sent to another backend, up to --retries times. In push mode the pair
   is resent only if a leg never reached its backend, with a new transfer id.
 
+conventions:
+  errors are JSON as vLLM shapes them, {"error": {"message", "type", "code"}}, on every
+  path (an unknown route is a 404 listing the routes). Every answer carries X-Request-Id:
+  the client's own if it sent one, else a new one; both legs carry it (with a unique suffix
+  when the client chose it) and the client's traceparent/tracestate. vLLM servers started
+  with --api-key need --backend-api-key (or $KVPUSH_BACKEND_API_KEY) here.
+
+readiness and shutdown:
+  GET /ready answers 200 while the proxy takes requests, and 503 while a role has no healthy
+  backend or once SIGTERM (or Ctrl-C) started a drain: point a load balancer's readiness
+  check at it. A drain serves what still arrives and ends when no request is in flight (at
+  most --request-timeout); a second signal ends it at once.
+
 admin API (with --admin-token, header 'Authorization: Bearer TOKEN'):
   GET /admin/backends                  pools, health, load and estimates
   POST /admin/backends    {"role": "decode", "backend": "http://10.0.0.4:8200"}
@@ -55,6 +68,8 @@ examples:
       --prefill http://127.0.0.1:8100,engine=prefill-0,kv=127.0.0.1:5600 \\
       --decode http://127.0.0.1:8200 http://127.0.0.1:8201
   kvpush proxy --mode pull --config fleet.toml --admin-token "$TOKEN" --scrape-interval 1
+  KVPUSH_BACKEND_API_KEY=$VLLM_KEY kvpush proxy --mode pull --prefill-policy round_robin \
+      --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 --port 0 --access-log
   kvpush proxy bench              # the proxy's own added latency, against stub backends
 """
 
@@ -64,7 +79,7 @@ def register(subparsers: Any) -> None:
         "proxy",
         help="run the OpenAI-compatible P/D proxy (or `proxy bench`: measure its overhead)",
         description="OpenAI-compatible prefill/decode proxy: /v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics, /admin/backends; streaming "
+        "/v1/chat/completions, /v1/models, /health, /ready, /metrics, /admin/backends; streaming "
         "and not; any number of backends, load-aware, health-checked.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -86,7 +101,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     parser.add_argument(
         "--port",
-        type=port(allow_zero=True),
+        type=port_number(allow_zero=True),
         default=8000,
         help="port to bind, 1-65535, or 0 for any free one (default %(default)s)",
     )
@@ -148,12 +163,12 @@ def register(subparsers: Any) -> None:
         help="read each backend's /metrics (vLLM's waiting queue, KV usage) this often, in "
         "seconds, for the choice (default 0: off; the proxy's own counts only)",
     )
-    parser.add_argument(
+    add_secret(
+        parser,
         "--admin-token",
-        metavar="TOKEN",
-        default=os.environ.get("KVPUSH_ADMIN_TOKEN"),
-        help="enable /admin/backends for 'Authorization: Bearer TOKEN' "
-        "(default: $KVPUSH_ADMIN_TOKEN, else the admin API is off)",
+        "enable /admin/backends for 'Authorization: Bearer TOKEN'",
+        "KVPUSH_ADMIN_TOKEN",
+        "the admin API is off",
     )
     parser.add_argument(
         "--request-timeout",
@@ -169,11 +184,25 @@ def register(subparsers: Any) -> None:
         default=5.0,
         help="seconds to connect to a backend (default %(default)s)",
     )
-    parser.add_argument(
+    add_secret(
+        parser,
         "--api-key",
-        metavar="KEY",
-        default=os.environ.get("KVPUSH_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPUSH_API_KEY, else none)",
+        "require 'Authorization: Bearer KEY' on /v1/*",
+        "KVPUSH_API_KEY",
+        "none",
+    )
+    add_secret(
+        parser,
+        "--backend-api-key",
+        "send 'Authorization: Bearer KEY' to every backend (legs, health checks, /metrics): "
+        "the --api-key its vLLM servers were started with",
+        "KVPUSH_BACKEND_API_KEY",
+        "none",
+    )
+    parser.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log one line per request: client, request line, status, bytes, seconds, X-Request-Id",
     )
     parser.add_argument(
         "--max-body-mb",
@@ -184,6 +213,18 @@ def register(subparsers: Any) -> None:
     )
     parser.set_defaults(func=run)
     bench.register(parser.add_subparsers(dest="proxy_command", metavar="{bench}"))
+
+
+def add_secret(parser: argparse.ArgumentParser, flag: str, what: str, env: str, unset: str) -> None:
+    """A secret flag whose default is an environment variable, so that the secret need not
+    be on the command line, where any user's `ps` shows it."""
+    metavar = flag.rpartition("-")[2].upper()
+    parser.add_argument(
+        flag,
+        metavar=metavar,
+        default=os.environ.get(env),
+        help=f"{what} (default: ${env}, else {unset})",
+    )
 
 
 def policy(name: str) -> str:
@@ -217,6 +258,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
         api_key=args.api_key or None,
+        backend_api_key=args.backend_api_key or None,
+        access_log=args.access_log,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         policy=args.policy,
         prefill_policy=args.prefill_policy,
@@ -270,7 +313,7 @@ def listening_url(runner: Any) -> str:
 
 
 async def _serve(config: Any, host: str, port: int) -> int:
-    from kvpush.proxy.server import start_proxy
+    from kvpush.proxy.server import PROXY_KEY, start_proxy
 
     try:
         runner = await start_proxy(config, host, port)
@@ -282,10 +325,16 @@ async def _serve(config: Any, host: str, port: int) -> int:
         )
         return 2
     print(f"kvpush proxy {describe(config)} listening on {listening_url(runner)}", flush=True)
-    stop = asyncio.Event()
+    stop, stop_now = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        # The first SIGTERM or Ctrl-C drains; a second one stops at once.
+        (stop_now if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
+    await runner.app[PROXY_KEY].drain(config.request_timeout, stop_now)
     await runner.cleanup()
     return 0
