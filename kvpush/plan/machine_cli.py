@@ -356,7 +356,7 @@ def plot_check(rows: Sequence[CheckRow], path: str) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from kvpush.bench.results import load_results
+    from kvpush.bench.results import ResultError, load_results
 
     try:
         profile = load_profile(args.profile)
@@ -366,6 +366,8 @@ def run_check(args: argparse.Namespace) -> int:
                 results += load_results(directory)
             except FileNotFoundError as exc:
                 raise PlanError(f"{exc}; pass a `kvpush bench sweep --out` folder") from None
+            except ResultError as exc:
+                raise PlanError(str(exc)) from None
         if args.setups:
             wanted = {s.strip() for s in args.setups.split(",")}
             results = [r for r in results if r["setup"] in wanted]
