@@ -73,6 +73,14 @@ def register(subparsers: Any) -> None:
     plotter.add_argument(
         "--png", type=Path, default=None, help="where to write the figure (default DIR/sweep.png)"
     )
+    plotter.add_argument(
+        "--csv",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="also write the table as CSV to FILE; '--csv' alone or '--csv -' writes it to "
+        "stdout instead of the table",
+    )
     plotter.set_defaults(func=run_plot)
 
 
@@ -235,24 +243,40 @@ def run_sweep(args: argparse.Namespace) -> int:
     return show(spec.out, spec.out / "sweep.png")
 
 
-def show(directory: Path, png: Path) -> int:
-    """Print the table of a result directory and draw its figure; 1 if there is nothing."""
-    rows = results.aggregate(results.load_results(directory))
+def show(directory: Path, png: Path, csv: str | None = None) -> int:
+    """Draw the figure of a result directory and print its table (for csv "-", the table
+    as CSV instead; for another csv, also write the CSV there). Exit code: 1 if there is
+    nothing, 2 for a directory or file that cannot be read or written."""
+    try:
+        rows = results.aggregate(results.load_results(directory))
+    except (FileNotFoundError, results.ResultError) as exc:
+        print(f"kvpush bench plot: {exc}", file=sys.stderr)
+        return 2
     if not rows:
         print(f"kvpush bench plot: no sweep results in {directory}", file=sys.stderr)
         return 1
-    print(plot.table(rows))
-    plot.draw(rows, png, title=f"kvpush bench sweep {directory.resolve().name}")
-    print(f"\nfigure: {png}")
+    csv_on_stdout = csv == "-"
+    written = [f"figure: {png}"]
+    try:  # the files first, so that a path that cannot be written leaves no half output
+        if csv and not csv_on_stdout:
+            Path(csv).write_text(plot.table_csv(rows))
+            written.append(f"table: {csv}")
+        plot.draw(rows, png, title=f"kvpush bench sweep {directory.resolve().name}")
+    except OSError as exc:
+        print(
+            f"kvpush bench plot: cannot write {exc.filename}: {exc.strerror or exc}; "
+            "give --png/--csv a path you can write",
+            file=sys.stderr,
+        )
+        return 2
+    sys.stdout.write(plot.table_csv(rows) if csv_on_stdout else plot.table(rows) + "\n")
+    # With the CSV on stdout the rest goes to stderr, so that stdout stays CSV.
+    print("\n" + "\n".join(written), file=sys.stderr if csv_on_stdout else sys.stdout)
     return 0
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    try:
-        return show(args.dir, args.png or args.dir / "sweep.png")
-    except FileNotFoundError as exc:
-        print(f"kvpush bench plot: {exc}", file=sys.stderr)
-        return 2
+    return show(args.dir, args.png or args.dir / "sweep.png", args.csv)
 
 
 def hook_totals(ledger: dict[str, Any], role: str) -> tuple[float, int]:
