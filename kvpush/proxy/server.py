@@ -1068,6 +1068,9 @@ async def start_proxy(config: ProxyConfig, host: str, port: int) -> web.AppRunne
         shutdown_timeout=1.0,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except BaseException:
+        await runner.cleanup()  # the health checks started with the app; stop them
+        raise
     return runner
