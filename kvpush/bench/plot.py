@@ -365,8 +365,15 @@ def _finish_panel(
     to_axes = ax.get_xaxis_transform() + ax.transAxes.inverted()
     stacked: dict[float, int] = {}
     for r in sorted(not_ok, key=lambda r: r.setup):
-        ax.plot([r.rate], [0.95], "x", color="red", markersize=11, mew=3,
-                transform=ax.get_xaxis_transform())  # fmt: skip
+        ax.plot(
+            [r.rate],
+            [0.95],
+            "x",
+            color="red",
+            markersize=11,
+            mew=3,
+            transform=ax.get_xaxis_transform(),
+        )
         where = to_axes.transform((r.rate, 0))[0]  # 0 at the left edge, 1 at the right
         ha = "left" if where < 0.2 else "right" if where > 0.8 else "center"
         ran = f" {r.ok}/{r.runs} ok" if r.runs > 1 else ""
