@@ -1,11 +1,14 @@
 """Command-line conventions shared by every `kvpush` subcommand.
 
 - `Parser`: argparse whose errors are one line on stderr, exit code 2, pointing at the
-  command's `-h`; and which takes a value starting with '-' for the options that expect
-  one (`kvpush up --vllm-args "--enable-prefix-caching"`), where plain argparse would
-  read the value as an unknown option and say "expected one argument".
+  `-h` of the command they concern (an unknown flag included); whose namespace carries
+  `prog`, the command that ran (`kvpush demo`), for messages; and which takes a value
+  starting with '-' for the options that expect one (`kvpush up --vllm-args
+  "--enable-prefix-caching"`), where plain argparse would read the value as an unknown
+  option and say "expected one argument".
 - argparse types that check a number where it is parsed, so the error names the flag and
   the range: `port_number`, `positive`, `non_negative`, `at_least`.
+- `cannot_write`: the one-line description of a path a command could not write.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 
@@ -22,9 +26,30 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.dash_values: set[str] = set()
+        self.set_defaults(prog=self.prog)  # the deepest subcommand's wins
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> Any:
+        # As argparse's, but an unknown flag is blamed on the subcommand that ran, whose
+        # -h lists the flags it has, rather than on `kvpush`.
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.chosen(parsed).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def chosen(self, parsed: Any) -> argparse.ArgumentParser:
+        """The parser of the (sub)command that `parsed` came from."""
+        parser: argparse.ArgumentParser = self
+        while True:
+            subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            name = getattr(parsed, subcommands[0].dest, None) if subcommands else None
+            if name is None:
+                return parser
+            parser = subcommands[0].choices[name]
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: Any = None
@@ -99,3 +124,8 @@ def non_negative() -> Callable[[str], float]:
 def at_least(minimum: int) -> Callable[[str], int]:
     """A whole number of at least `minimum` (counts)."""
     return _checked(int, lambda v: v >= minimum, f"must be at least {minimum}")
+
+
+def cannot_write(exc: OSError, path: Path | str) -> str:
+    """'cannot write PATH: REASON' for an OSError met writing `path` (or below it)."""
+    return f"cannot write {exc.filename or path}: {exc.strerror or exc}"

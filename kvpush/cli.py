@@ -26,10 +26,22 @@ TOOLS = (
 )
 
 
+EXAMPLES = """\
+examples (each command has -h with more):
+  kvpush model tiny models/tiny
+  kvpush up --connector kvpush-push --model models/tiny --eager
+  kvpush proxy --mode pull --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+  kvpush plan --preset articles
+  kvpush demo
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="kvpush",
         description="KV-cache handoff tools for prefill/decode disaggregated vLLM serving.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in TOOLS:
