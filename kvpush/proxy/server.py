@@ -740,12 +740,15 @@ class Proxy:
             return error_response(503, str(exc), "backend_error")
         try:
             async with self.session.get(backend.url + "/v1/models") as resp:
-                return web.Response(
-                    status=resp.status, body=await resp.read(), content_type="application/json"
-                )
+                if resp.status in KEY_REFUSED:  # the proxy's key, not the client's
+                    failure = BackendFailure("decode", backend, resp.status, await _describe(resp))
+                else:
+                    return web.Response(
+                        status=resp.status, body=await resp.read(), content_type="application/json"
+                    )
         except (TimeoutError, aiohttp.ClientError) as exc:
             failure = _transport_failure("decode", backend, exc, self.config)
-            return error_response(failure.client_status, str(failure), "backend_error", backend.url)
+        return error_response(failure.client_status, str(failure), "backend_error", backend.url)
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         """Checks every backend now (each probe counts as a health check); a backend is ok

@@ -55,10 +55,10 @@ async def test_a_backend_refusing_the_proxy_is_a_502_naming_the_flag(mode: str) 
     async with rig(mode) as r:
         for stub in (*r.prefill, *r.decode):
             stub.api_key = KEY
-        resp = await r.post()
-        error = (await resp.json())["error"]
-        assert resp.status == 502, "the client's own credentials were fine"
-        assert "HTTP 401" in error["message"] and "--backend-api-key" in error["message"]
+        for resp in (await r.post(), await r.session.get(r.url + "/v1/models")):
+            error = (await resp.json())["error"]
+            assert resp.status == 502, "the client's own credentials were fine"
+            assert "HTTP 401" in error["message"] and "--backend-api-key" in error["message"]
 
 
 # -- errors -------------------------------------------------------------------------------
