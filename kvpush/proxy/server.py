@@ -483,6 +483,8 @@ class Proxy:
             return await handler(request)
         except web.HTTPException as exc:
             return _http_error(request, exc)
+        except ConnectionError:  # the client went away: nobody to answer
+            raise
         except Exception:  # a bug here must still answer in the API's shape
             log.exception("%s %s failed inside the proxy", request.method, request.path)
             return error_response(
