@@ -3,7 +3,8 @@
 Each tool module exposes `register(subparsers)` which adds its parser and sets `func`
 (a callable taking the parsed namespace and returning an exit code). Tool modules are
 imported here, but keep their heavy imports (torch, vLLM, NIXL) inside functions so that
-`kvpush --help` stays fast. A command that misses an optional dependency prints one line
+`kvpush --help` stays fast. Every parser is a `kvpush.args.Parser`: a wrong flag is one line
+on stderr and exit code 2. A command that misses an optional dependency prints one line
 naming the extra to install (`kvpush.extras`), not a traceback.
 """
 
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpush import __version__
+from kvpush.args import Parser
 from kvpush.extras import missing_module_hint, precheck
 from kvpush.vllm.preflight import SUPPORTED_VLLM, EnvironmentProblem
 
@@ -28,10 +30,22 @@ TOOLS = (
 )
 
 
+EXAMPLES = """\
+examples (each command has -h with more):
+  kvpush model tiny models/tiny
+  kvpush up --connector kvpush-push --model models/tiny --eager
+  kvpush proxy --mode pull --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+  kvpush plan --preset articles
+  kvpush demo
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvpush",
         description="KV-cache handoff tools for prefill/decode disaggregated vLLM serving.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--version",

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvpush.args import at_least, cannot_write, port_number, positive
 from kvpush.bench import plot, results, sweep
 from kvpush.plan.cli import format_table, positive_list
 from kvpush.plan.model import PlanError
@@ -35,6 +36,7 @@ def register(subparsers: Any) -> None:
         "bench",
         help="benchmarks: latency sweeps against vLLM's connectors, hook cost, plots",
         description=__doc__,
+        epilog=BENCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tools = parser.add_subparsers(dest="tool", metavar="TOOL", required=True)
@@ -42,6 +44,7 @@ def register(subparsers: Any) -> None:
         "hooks",
         help="main-thread time of each connector's hooks, per request and per step",
         description=__doc__,
+        epilog=HOOKS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_arguments(hooks)
@@ -50,6 +53,7 @@ def register(subparsers: Any) -> None:
         "compare",
         help="the same prompts through every setup: TTFT/TPOT and whether the text agrees",
         description=demo.__doc__,
+        epilog=COMPARE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_arguments(compare)
@@ -67,14 +71,42 @@ def register(subparsers: Any) -> None:
         "plot",
         help="plot TTFT/TPOT vs rate from a sweep's results and print the ratio table",
         description=plot.__doc__,
+        epilog=PLOT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plotter.add_argument("dir", type=Path, help="a sweep's --out directory")
     plotter.add_argument(
         "--png", type=Path, default=None, help="where to write the figure (default DIR/sweep.png)"
     )
+    plotter.add_argument(
+        "--csv",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="also write the table as CSV to FILE; '--csv' alone or '--csv -' writes it to "
+        "stdout instead of the table",
+    )
     plotter.set_defaults(func=run_plot)
 
+
+BENCH_EPILOG = """examples:
+  kvpush bench sweep --setups kvpush-push,vllm-pull --rates 1,2,4 --out results/sweep
+  kvpush bench plot results/sweep --csv results/sweep/table.csv
+  kvpush bench hooks --setups kvpush-push,vllm-pull --requests 12 --concurrency 3
+  kvpush bench compare --setups vllm-pull,kvpush-push --requests 32 --concurrency 8
+(each has -h with more)
+"""
+HOOKS_EPILOG = """example (a few minutes per setup here):
+  kvpush bench hooks --setups kvpush-push,vllm-pull --requests 12 --concurrency 3
+"""
+COMPARE_EPILOG = """example (a few minutes per setup here):
+  kvpush bench compare --setups vllm-pull,kvpush-push --requests 32 --concurrency 8
+"""
+PLOT_EPILOG = """examples:
+  kvpush bench plot results/sweep                       # table, and results/sweep/sweep.png
+  kvpush bench plot results/sweep --png fig.png --csv table.csv
+  kvpush bench plot results/sweep --csv - > table.csv   # the table as CSV on stdout
+"""
 
 SWEEP_EPILOG = """example (about 40 minutes here):
   kvpush bench sweep --setups kvpush-push,vllm-push,vllm-pull --rates 2,4,8 \\
@@ -130,19 +162,19 @@ def add_sweep_arguments(
     )
     parser.add_argument(
         "--output-len",
-        type=int,
+        type=at_least(1),
         default=d["output_len"],
         help=f"output tokens per request, EOS ignored (default {d['output_len']})",
     )
     parser.add_argument(
         "--num-prompts",
-        type=int,
+        type=at_least(1),
         default=d["num_prompts"],
         help=f"requests per run (default {d['num_prompts']})",
     )
     parser.add_argument(
         "--iterations",
-        type=int,
+        type=at_least(1),
         default=d["iterations"],
         help=f"repetitions of the whole grid, setups interleaved (default {d['iterations']})",
     )
@@ -155,25 +187,33 @@ def add_sweep_arguments(
         default=None,
         help="model directory (default: the tiny model, built under WORKDIR/models/tiny)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="per server (default 8)")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="per server (default 1)")
+    parser.add_argument(
+        "--max-num-seqs", type=at_least(1), default=8, help="per server (default 8)"
+    )
+    parser.add_argument(
+        "--kv-cache-gib", type=positive(), default=1.0, help="per server (default 1)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
     parser.add_argument(
         "--request-timeout",
-        type=float,
+        type=positive(),
         default=d["request_timeout"],
         help="the proxy's deadline per request; a request past it counts as a stall "
         f"(default {d['request_timeout']:g} s)",
     )
     parser.add_argument(
         "--run-timeout",
-        type=float,
+        type=positive(),
         default=None,
         help="wall-clock deadline of one run (default: prompts/rate + request timeout + 90 s)",
     )
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
-    parser.add_argument("--kv-port", type=int, default=5600, help="first NIXL side-channel port")
+    parser.add_argument("--startup-timeout", type=positive(), default=300.0)
+    parser.add_argument(
+        "--port", type=port_number(), default=8000, help="proxy port (default 8000)"
+    )
+    parser.add_argument(
+        "--kv-port", type=port_number(), default=5600, help="first NIXL side-channel port"
+    )
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument(
         "--retry-failed",
@@ -214,8 +254,13 @@ def sweep_spec(args: argparse.Namespace) -> sweep.SweepSpec:
 def run_sweep(args: argparse.Namespace) -> int:
     try:
         spec = sweep_spec(args)
+        spec.out.mkdir(parents=True, exist_ok=True)
     except ValueError as exc:
-        print(f"kvpush bench sweep: {exc}", file=sys.stderr)
+        print(f"{args.prog}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        why = cannot_write(exc, args.out)
+        print(f"{args.prog}: {why}; give --out and --workdir you can write", file=sys.stderr)
         return 2
 
     def on_term(signum: int, frame: Any) -> None:
@@ -235,24 +280,39 @@ def run_sweep(args: argparse.Namespace) -> int:
     return show(spec.out, spec.out / "sweep.png")
 
 
-def show(directory: Path, png: Path) -> int:
-    """Print the table of a result directory and draw its figure; 1 if there is nothing."""
-    rows = results.aggregate(results.load_results(directory))
+def show(directory: Path, png: Path, csv: str | None = None) -> int:
+    """Draw the figure of a result directory and print its table (for csv "-", the table
+    as CSV instead; for another csv, also write the CSV there). Exit code: 1 if there is
+    nothing, 2 for a directory or file that cannot be read or written."""
+    try:
+        rows = results.aggregate(results.load_results(directory))
+    except (FileNotFoundError, results.ResultError) as exc:
+        print(f"kvpush bench plot: {exc}", file=sys.stderr)
+        return 2
     if not rows:
         print(f"kvpush bench plot: no sweep results in {directory}", file=sys.stderr)
         return 1
-    print(plot.table(rows))
-    plot.draw(rows, png, title=f"kvpush bench sweep {directory.resolve().name}")
-    print(f"\nfigure: {png}")
+    csv_on_stdout = csv == "-"
+    written = [f"figure: {png}"]
+    try:  # the files first, so that a path that cannot be written leaves no half output
+        if csv and not csv_on_stdout:
+            Path(csv).write_text(plot.table_csv(rows))
+            written.append(f"table: {csv}")
+        plot.draw(rows, png, title=f"kvpush bench sweep {directory.resolve().name}")
+    except OSError as exc:
+        print(
+            f"kvpush bench plot: {cannot_write(exc, png)}; give --png/--csv a path you can write",
+            file=sys.stderr,
+        )
+        return 2
+    sys.stdout.write(plot.table_csv(rows) if csv_on_stdout else plot.table(rows) + "\n")
+    # With the CSV on stdout the rest goes to stderr, so that stdout stays CSV.
+    print("\n" + "\n".join(written), file=sys.stderr if csv_on_stdout else sys.stdout)
     return 0
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    try:
-        return show(args.dir, args.png or args.dir / "sweep.png")
-    except FileNotFoundError as exc:
-        print(f"kvpush bench plot: {exc}", file=sys.stderr)
-        return 2
+    return show(args.dir, args.png or args.dir / "sweep.png", args.csv)
 
 
 def hook_totals(ledger: dict[str, Any], role: str) -> tuple[float, int]:

@@ -38,11 +38,20 @@ DEMO = {
 }
 
 
+EPILOG = """\
+examples:
+  kvpush demo                                   # about 10 minutes; results/demo/<time>/
+  kvpush demo --out results/demo/20261129-101500  # resume an interrupted demo
+  kvpush demo --rates 1,2,4 --num-prompts 24    # a larger grid
+"""
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="a ~10 minute sweep of every connector setup: table + plot (make demo)",
         description=__doc__,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench_cli.add_sweep_arguments(parser, DEMO)

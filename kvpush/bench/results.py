@@ -107,15 +107,56 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+class ResultError(ValueError):
+    """A result file of ours that cannot be used; the message names the file and field."""
+
+
+# What `aggregate` and the planner's check need of a result, beyond its schema.
+REQUIRED_FIELDS: dict[str, tuple[type, ...]] = {
+    "setup": (str,),
+    "input_len": (int,),
+    "rate": (int, float),
+    "status": (str,),
+}
+NUMBER_FIELDS = ("completed", "num_prompts", "request_throughput")  # each may be absent
+
+
+def check_result(path: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """`result` if every field the tables use is there with its type, else ResultError."""
+
+    def fail(problem: str) -> ResultError:
+        return ResultError(
+            f"{path}: {problem}; remove the file (a sweep with the same options redoes that run)"
+        )
+
+    for name, kinds in REQUIRED_FIELDS.items():
+        if name not in result:
+            raise fail(f"field {name!r} is missing")
+        if not isinstance(result[name], kinds) or isinstance(result[name], bool):
+            raise fail(f"field {name!r} is {result[name]!r}, not a {kinds[0].__name__}")
+    for name in NUMBER_FIELDS:
+        if result.get(name) is not None and _finite(result[name]) is None:
+            raise fail(f"field {name!r} is {result[name]!r}, not a number")
+    for metric in METRICS:
+        stats = result.get(metric)
+        if stats is not None and (
+            not isinstance(stats, dict)
+            or any(v is not None and _finite(v) is None for v in stats.values())
+        ):
+            raise fail(f"field {metric!r} is {stats!r}, not {{'p50': ms, 'p99': ms, ...}}")
+    return result
+
+
 def load_results(directory: Path) -> list[dict[str, Any]]:
-    """Every run result under `directory` (other JSON files are ignored)."""
+    """Every run result under `directory` (other JSON files are ignored); ResultError for
+    one of ours that lacks a field the tables need."""
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a directory of sweep results")
     results = []
     for path in sorted(directory.glob("*.json")):
         result = read_result(path)
         if result is not None:
-            results.append(result)
+            results.append(check_result(path, result))
     return results
 
 

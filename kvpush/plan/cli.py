@@ -61,7 +61,21 @@ one decode step loop with --max-num-seqs slots.
         token / (TP x --hbm-tbps)) + inline submissions.
 The defaults are the articles' setup on 8 x H200. At 8 QPS x 16k tokens the offered
 prefill work exceeds the GPUs' peak FLOPs, so the simulator does not reproduce the
-published TTFTs there; see kvpush/plan/simulate.py for what it includes and misses."""
+published TTFTs there; see kvpush/plan/simulate.py for what it includes and misses.
+
+examples:
+  kvpush plan simulate --preset articles --rates 1,2,4,8 --input-lens 1024,16384 --plot sim.png
+  kvpush plan simulate --profile profile.json --setup kvpush-push --rates 1,2,4 --json"""
+
+PLAN_DESCRIPTION = """\
+Static capacity plan for the prefill -> decode KV handoff: KV bytes per token and request,
+ideal transfer time, decode slots held (Little's law) per TPOT, headroom and the highest
+sustainable rate. `kvpush plan simulate -h` for the pull vs push simulator."""
+PLAN_EPILOG = """\
+examples:
+  kvpush plan --preset articles                   # the articles' 8 QPS, 16k-token point
+  kvpush plan --model models/tiny/config.json --tp 1 --link-gbps 12 --rate 2 --input-len 2048
+  kvpush plan --preset articles --tpot-ms pull=10.4,push=7.0 --json"""
 
 
 def positive_list(kind: type[int] | type[float], flag: str, text: str) -> list[Any]:
@@ -189,10 +203,9 @@ def register(subparsers: Any) -> None:
     plan = subparsers.add_parser(
         "plan",
         help="capacity plan: KV bytes, ideal transfer, decode slots (and `plan simulate`)",
-        description="Static capacity plan for the prefill -> decode KV handoff: KV bytes per "
-        "token and request, ideal transfer time, decode slots held (Little's law) per TPOT, "
-        "headroom and the highest sustainable rate. `kvpush plan simulate -h` for the "
-        "pull vs push simulator.",
+        description=PLAN_DESCRIPTION,
+        epilog=PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_common(plan)
     work = plan.add_argument_group("workload (defaults: the articles' 8 QPS, 16k point)")

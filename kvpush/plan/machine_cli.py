@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpush.args import port_number
 from kvpush.plan.machine import (
     METRICS,
     CheckRow,
@@ -81,9 +82,11 @@ def register(nested: Any) -> None:
         "--decode-rounds", type=int, default=5, help="batches per step probe (default: 5)"
     )
     m.add_argument("--hook-requests", type=int, default=6, help="per length (default: 6)")
-    m.add_argument("--port", type=int, default=8000, help="base port (default: 8000)")
-    m.add_argument("--proxy-port", type=int, help="the probe's proxy (default: --port)")
-    m.add_argument("--kv-port", type=int, default=5600, help="first NIXL side-channel port")
+    m.add_argument("--port", type=port_number(), default=8000, help="base port (default: 8000)")
+    m.add_argument("--proxy-port", type=port_number(), help="the probe's proxy (default: --port)")
+    m.add_argument(
+        "--kv-port", type=port_number(), default=5600, help="first NIXL side-channel port"
+    )
     m.add_argument("--kv-cache-gib", type=float, default=1.0, help="per server (default: 1)")
     m.add_argument("--workdir", type=Path, default=Path(".kvpush"), help="logs and caches")
     m.add_argument("--startup-timeout", type=float, default=300.0)
@@ -356,7 +359,7 @@ def plot_check(rows: Sequence[CheckRow], path: str) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from kvpush.bench.results import load_results
+    from kvpush.bench.results import ResultError, load_results
 
     try:
         profile = load_profile(args.profile)
@@ -366,6 +369,8 @@ def run_check(args: argparse.Namespace) -> int:
                 results += load_results(directory)
             except FileNotFoundError as exc:
                 raise PlanError(f"{exc}; pass a `kvpush bench sweep --out` folder") from None
+            except ResultError as exc:
+                raise PlanError(str(exc)) from None
         if args.setups:
             wanted = {s.strip() for s in args.setups.split(",")}
             results = [r for r in results if r["setup"] in wanted]

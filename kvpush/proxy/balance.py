@@ -6,7 +6,7 @@ estimate of how long it takes per unit of work, what it last reported on its own
 computes the prompt); a decode's is a request (its first token waits for a slot and the KV
 handoff, not for the prompt's length).
 
-`least-loaded` picks the backend where the new leg should finish first:
+`least_loaded` picks the backend where the new leg should finish first:
 
     cost = (units queued there + units of this leg) x seconds per unit
 
@@ -20,7 +20,9 @@ handoff, not for the prompt's length).
   one that was slow is tried again later rather than never;
 - a backend reporting its KV cache at least KV_FULL used is chosen only if all are.
 
-Ties go round in turn. `round-robin` ignores load and takes healthy backends in turn.
+Ties go round in turn. `round_robin` ignores load and takes healthy backends in turn.
+The names are spelled as vLLM's and SGLang's routers spell theirs; the hyphenated ones
+this proxy used first (`least-loaded`, `round-robin`) still work.
 
 Health: a backend is ejected after `unhealthy_after` failed health checks in a row, or at
 once when a connection to it is refused, and returns after `healthy_after` passing checks;
@@ -36,7 +38,8 @@ from enum import Enum
 
 from kvpush.proxy.rewrite import Backend
 
-POLICIES = ("least-loaded", "round-robin")
+POLICIES = ("least_loaded", "round_robin")
+POLICY_ALIASES = {"least-loaded": "least_loaded", "round-robin": "round_robin"}
 IDLE_HALF_LIFE_S = 10.0
 EWMA_WEIGHT = 0.3  # of a new sample
 KV_FULL = 0.95
@@ -88,9 +91,11 @@ def parse_vllm_metrics(text: str) -> Reported | None:
 
 
 def check_policy(policy: str) -> str:
-    if policy not in POLICIES:
+    """The policy's name as in POLICIES (an alias is accepted); ValueError lists the names."""
+    name = POLICY_ALIASES.get(policy, policy)
+    if name not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    return policy
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +148,7 @@ class Pool:
     """The backends of one role, the choice among them, and their health transitions."""
 
     role: str
-    policy: str = "least-loaded"
+    policy: str = "least_loaded"
     rules: HealthRules = field(default_factory=HealthRules)
     states: list[BackendState] = field(default_factory=list)
     _turn: int = 0
@@ -151,7 +156,7 @@ class Pool:
     _units_per_leg: float = 1.0  # running mean, to price requests only /metrics knows of
 
     def __post_init__(self) -> None:
-        check_policy(self.policy)
+        self.policy = check_policy(self.policy)
 
     def __iter__(self) -> Iterator[BackendState]:
         return iter(self.states)
@@ -195,7 +200,7 @@ class Pool:
             return candidates[0]
         start = self._turn % len(candidates)
         self._turn += 1
-        if self.policy == "round-robin":
+        if self.policy == "round_robin":
             return candidates[start]
         floor, fallback = self._baseline()
         ordered = candidates[start:] + candidates[:start]

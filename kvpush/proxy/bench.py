@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -466,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
             throughput_streams=args.throughput_streams,
         )
     except ValueError as exc:
-        print(f"kvpush proxy bench: {exc}")
+        print(f"kvpush proxy bench: {exc}", file=sys.stderr)
         return 2
     from kvpush.proxy.cli import use_uvloop
 

@@ -8,11 +8,13 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
+from kvpush.args import at_least, non_negative, port_number, positive
 from kvpush.proxy import bench
-from kvpush.proxy.balance import POLICIES
+from kvpush.proxy.balance import POLICIES, check_policy
 from kvpush.proxy.rewrite import MODES, parse_backend
 
 EPILOG = """\
@@ -25,12 +27,13 @@ backends:
       prefill = ["http://10.0.0.1:8100,engine=prefill-0,kv=10.0.0.1:5600,tp=8"]
       decode = ["http://10.0.0.2:8200", "http://10.0.0.3:8200"]
 
-choice (--policy):
-  least-loaded (default) sends each leg where it should finish first: the work the proxy has
+choice (--policy for both roles, or --prefill-policy / --decode-policy):
+  least_loaded (default) sends each leg where it should finish first: the work the proxy has
   in flight there (prefill: prompt tokens; decode: requests), plus what the backend reports
   waiting when --scrape-interval reads its /metrics, times how fast it has been lately.
   Push chooses decode when the request arrives; pull chooses it after prefill answered.
-  round-robin takes healthy backends in turn (to compare against).
+  round_robin takes healthy backends in turn (to compare against). The names are spelled
+  as vLLM's and SGLang's routers spell them; least-loaded and round-robin work too.
 
 health:
   every --health-interval seconds each backend gets GET /health; after --eject-after failures
@@ -39,6 +42,19 @@ health:
   never reached its backend (connection refused), or a pull prefill whose backend vanished
   before answering, is sent to another backend, up to --retries times. In push mode the pair
   is resent only if a leg never reached its backend, with a new transfer id.
+
+conventions:
+  errors are JSON as vLLM shapes them, {"error": {"message", "type", "code"}}, on every
+  path (an unknown route is a 404 listing the routes). Every answer carries X-Request-Id:
+  the client's own if it sent one, else a new one; both legs carry it (with a unique suffix
+  when the client chose it) and the client's traceparent/tracestate. vLLM servers started
+  with --api-key need --backend-api-key (or $KVPUSH_BACKEND_API_KEY) here.
+
+readiness and shutdown:
+  GET /ready answers 200 while the proxy takes requests, and 503 while a role has no healthy
+  backend or once SIGTERM (or Ctrl-C) started a drain: point a load balancer's readiness
+  check at it. A drain serves what still arrives and ends when no request is in flight (at
+  most --request-timeout); a second signal ends it at once.
 
 admin API (with --admin-token, header 'Authorization: Bearer TOKEN'):
   GET /admin/backends                  pools, health, load and estimates
@@ -52,6 +68,8 @@ examples:
       --prefill http://127.0.0.1:8100,engine=prefill-0,kv=127.0.0.1:5600 \\
       --decode http://127.0.0.1:8200 http://127.0.0.1:8201
   kvpush proxy --mode pull --config fleet.toml --admin-token "$TOKEN" --scrape-interval 1
+  KVPUSH_BACKEND_API_KEY=$VLLM_KEY kvpush proxy --mode pull --prefill-policy round_robin \
+      --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 --port 0 --access-log
   kvpush proxy bench              # the proxy's own added latency, against stub backends
 """
 
@@ -61,7 +79,7 @@ def register(subparsers: Any) -> None:
         "proxy",
         help="run the OpenAI-compatible P/D proxy (or `proxy bench`: measure its overhead)",
         description="OpenAI-compatible prefill/decode proxy: /v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics, /admin/backends; streaming "
+        "/v1/chat/completions, /v1/models, /health, /ready, /metrics, /admin/backends; streaming "
         "and not; any number of backends, load-aware, health-checked.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -81,88 +99,140 @@ def register(subparsers: Any) -> None:
         "re-read when it changes",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (default %(default)s)")
+    parser.add_argument(
+        "--port",
+        type=port_number(allow_zero=True),
+        default=8000,
+        help="port to bind, 1-65535, or 0 for any free one (default %(default)s)",
+    )
+    policy_names = "{" + ",".join(POLICIES) + "}"
     parser.add_argument(
         "--policy",
-        choices=POLICIES,
-        default="least-loaded",
-        help="how to choose among backends (default %(default)s)",
+        type=policy,
+        metavar=policy_names,
+        default="least_loaded",
+        help="how to choose among backends, for both roles (default %(default)s)",
     )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-policy",
+            type=policy,
+            metavar=policy_names,
+            help=f"how to choose among {role} backends (default: --policy)",
+        )
     parser.add_argument(
         "--retries",
         metavar="N",
-        type=int,
+        type=at_least(0),
         default=1,
         help="times a leg may be resent elsewhere where that is safe (default %(default)s)",
     )
     parser.add_argument(
         "--health-interval",
         metavar="S",
-        type=float,
+        type=positive(),
         default=2.0,
         help="seconds between health checks of each backend (default %(default)s)",
     )
     parser.add_argument(
         "--health-timeout",
         metavar="S",
-        type=float,
+        type=positive(),
         default=5.0,
         help="seconds a health check (or /metrics read) may take (default %(default)s)",
     )
     parser.add_argument(
         "--eject-after",
         metavar="N",
-        type=int,
+        type=at_least(1),
         default=3,
         help="failed health checks in a row that eject a backend (default %(default)s)",
     )
     parser.add_argument(
         "--return-after",
         metavar="N",
-        type=int,
+        type=at_least(1),
         default=2,
         help="passing health checks that bring it back (default %(default)s)",
     )
     parser.add_argument(
         "--scrape-interval",
         metavar="S",
-        type=float,
+        type=non_negative(),
         default=0.0,
         help="read each backend's /metrics (vLLM's waiting queue, KV usage) this often, in "
         "seconds, for the choice (default 0: off; the proxy's own counts only)",
     )
-    parser.add_argument(
+    add_secret(
+        parser,
         "--admin-token",
-        metavar="TOKEN",
-        default=os.environ.get("KVPUSH_ADMIN_TOKEN"),
-        help="enable /admin/backends for 'Authorization: Bearer TOKEN' "
-        "(default: $KVPUSH_ADMIN_TOKEN, else the admin API is off)",
+        "enable /admin/backends for 'Authorization: Bearer TOKEN'",
+        "KVPUSH_ADMIN_TOKEN",
+        "the admin API is off",
     )
     parser.add_argument(
         "--request-timeout",
         metavar="S",
-        type=float,
+        type=positive(),
         default=300.0,
         help="seconds a request may take end to end before it fails with 504 (default %(default)s)",
     )
     parser.add_argument(
         "--connect-timeout",
         metavar="S",
-        type=float,
+        type=positive(),
         default=5.0,
         help="seconds to connect to a backend (default %(default)s)",
     )
-    parser.add_argument(
+    add_secret(
+        parser,
         "--api-key",
-        metavar="KEY",
-        default=os.environ.get("KVPUSH_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPUSH_API_KEY, else none)",
+        "require 'Authorization: Bearer KEY' on /v1/*",
+        "KVPUSH_API_KEY",
+        "none",
+    )
+    add_secret(
+        parser,
+        "--backend-api-key",
+        "send 'Authorization: Bearer KEY' to every backend (legs, health checks, /metrics): "
+        "the --api-key its vLLM servers were started with",
+        "KVPUSH_BACKEND_API_KEY",
+        "none",
     )
     parser.add_argument(
-        "--max-body-mb", type=float, default=8.0, help="largest request body accepted (MiB)"
+        "--access-log",
+        action="store_true",
+        help="log one line per request: client, request line, status, bytes, seconds, X-Request-Id",
+    )
+    parser.add_argument(
+        "--max-body-mb",
+        metavar="MIB",
+        type=positive(),
+        default=8.0,
+        help="largest request body accepted, in MiB (default %(default)s)",
     )
     parser.set_defaults(func=run)
     bench.register(parser.add_subparsers(dest="proxy_command", metavar="{bench}"))
+
+
+def add_secret(parser: argparse.ArgumentParser, flag: str, what: str, env: str, unset: str) -> None:
+    """A secret flag whose default is an environment variable, so that the secret need not
+    be on the command line, where any user's `ps` shows it."""
+    metavar = flag.rpartition("-")[2].upper()
+    parser.add_argument(
+        flag,
+        metavar=metavar,
+        default=os.environ.get(env),
+        help=f"{what} (default: ${env}, else {unset})",
+    )
+
+
+def policy(name: str) -> str:
+    """An argparse type: a balancing policy's name (an alias is accepted)."""
+    try:
+        return check_policy(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -188,8 +258,12 @@ def config_from_args(args: argparse.Namespace) -> Any:
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
         api_key=args.api_key or None,
+        backend_api_key=args.backend_api_key or None,
+        access_log=args.access_log,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
         retries=args.retries,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
@@ -206,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"kvpush proxy: {exc} (see kvpush proxy -h)")
+        print(f"kvpush proxy: {exc} (see kvpush proxy -h)", file=sys.stderr)
         return 2
     use_uvloop()
     return asyncio.run(_serve(config, args.host, args.port))
@@ -222,23 +296,45 @@ def use_uvloop() -> None:
         pass
 
 
+def describe(config: Any) -> str:
+    """'(pull, least_loaded): 1 prefill, 2 decode backends', policies per role if they differ."""
+    prefill, decode = config.policies["prefill"], config.policies["decode"]
+    choice = prefill if prefill == decode else f"prefill {prefill}, decode {decode}"
+    return (
+        f"({config.mode}, {choice}): {len(config.prefill)} prefill, "
+        f"{len(config.decode)} decode backends,"
+    )
+
+
+def listening_url(runner: Any) -> str:
+    """Where the proxy really listens (with --port 0, the port the system chose)."""
+    host, bound = runner.addresses[0][:2]
+    return f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+
+
 async def _serve(config: Any, host: str, port: int) -> int:
-    from kvpush.proxy.server import start_proxy
+    from kvpush.proxy.server import PROXY_KEY, start_proxy
 
     try:
         runner = await start_proxy(config, host, port)
     except OSError as exc:
-        print(f"kvpush proxy: cannot listen on {host}:{port}: {exc.strerror}; pick another --port")
-        return 1
-    print(
-        f"kvpush proxy ({config.mode}, {config.policy}) listening on http://{host}:{port}: "
-        f"{len(config.prefill)} prefill, {len(config.decode)} decode backends",
-        flush=True,
-    )
-    stop = asyncio.Event()
+        print(
+            f"kvpush proxy: cannot listen on {host}:{port}: {exc.strerror}; "
+            "pick another --port or --host",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"kvpush proxy {describe(config)} listening on {listening_url(runner)}", flush=True)
+    stop, stop_now = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        # The first SIGTERM or Ctrl-C drains; a second one stops at once.
+        (stop_now if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
+    await runner.app[PROXY_KEY].drain(config.request_timeout, stop_now)
     await runner.cleanup()
     return 0

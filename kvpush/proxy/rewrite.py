@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -75,12 +76,34 @@ def format_backend(backend: Backend) -> str:
     )
 
 
-def new_request_id(client_id: str | None = None) -> str:
-    """The id both legs carry as X-Request-Id; a client's own id is kept as a prefix."""
-    suffix = uuid.uuid4().hex
-    if client_id and len(client_id) <= 128 and client_id.isprintable():
-        return f"{client_id}-{suffix[:12]}"
-    return suffix
+def usable_header(value: str, limit: int = 512) -> bool:
+    """Whether a header value may be passed on as it is: printable ASCII, not too long."""
+    return 0 < len(value) <= limit and value.isascii() and value.isprintable()
+
+
+def answer_id(client_id: str | None) -> str:
+    """The X-Request-Id a request is answered with: the client's own when usable (at most
+    128 printable ASCII characters), else a new one."""
+    if client_id and usable_header(client_id, limit=128):
+        return client_id
+    return uuid.uuid4().hex
+
+
+def leg_id(answered: str, client_id: str | None) -> str:
+    """The id both legs carry as X-Request-Id (and push's transfer id): the answered id,
+    with a unique suffix when the client chose it, since two clients may send the same one
+    and vLLM and the KV handoff need an id per request."""
+    if answered == client_id:
+        return f"{answered}-{uuid.uuid4().hex[:12]}"
+    return answered
+
+
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context
+
+
+def trace_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's trace context, for both legs, so a trace spans proxy and servers."""
+    return {name: headers[name] for name in TRACE_HEADERS if usable_header(headers.get(name, ""))}
 
 
 def validate_body(body: Any) -> dict[str, Any]:

@@ -61,6 +61,7 @@ log = logging.getLogger("kvpush.proxy")
 
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("kvpush.proxy")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+KEY_REFUSED = (401, 403)
 UNSENT = "unsent"  # the request never left the proxy (the connection was refused)
 LOST = "lost"  # the backend went away before answering
 
@@ -81,8 +82,11 @@ class BackendFailure(Exception):
 
     @property
     def client_status(self) -> int:
-        # A 4xx from vLLM is about the request (bad prompt, too long): pass it through.
-        # Anything else is the proxy's upstream failing: 502, or 504 for a timeout.
+        # A 4xx from vLLM is about the request (bad prompt, too long): pass it through, but
+        # a refused API key is the proxy's (--backend-api-key), not the client's. Anything
+        # else is the proxy's upstream failing: 502, or 504 for a timeout.
+        if self.status in KEY_REFUSED:
+            return 502
         return self.status if 400 <= self.status < 500 else (504 if self.status == 504 else 502)
 
 
@@ -93,9 +97,12 @@ class ProxyConfig:
     decode: list[Backend]
     request_timeout: float = 300.0
     connect_timeout: float = 5.0
-    api_key: str | None = None
+    api_key: str | None = None  # what clients must send
+    backend_api_key: str | None = None  # what the proxy sends its backends (their --api-key)
     max_body_bytes: int = 8 * 1024 * 1024
-    policy: str = "least-loaded"
+    policy: str = "least_loaded"  # both roles, unless one has its own below
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
     retries: int = 1
     health_interval: float = 2.0
     health_timeout: float = 5.0
@@ -104,7 +111,9 @@ class ProxyConfig:
     scrape_interval: float = 0.0  # 0: do not read the backends' /metrics
     admin_token: str | None = None
     fleet_file: Path | None = None  # re-read when it changes
+    access_log: bool = False  # one line per request on the kvpush.proxy.access logger
     health: HealthRules = field(init=False)
+    policies: dict[str, str] = field(init=False)  # role -> policy, as balance.POLICIES spells it
 
     def __post_init__(self) -> None:
         if self.mode not in rewrite.MODES:
@@ -116,8 +125,16 @@ class ProxyConfig:
             raise ValueError("--health-interval must be positive and --scrape-interval >= 0")
         if self.retries < 0:
             raise ValueError("--retries must be 0 or more")
+        if self.max_body_bytes < 1:
+            raise ValueError("--max-body-mb must be above 0")
+        if self.backend_api_key is not None and not rewrite.usable_header(self.backend_api_key):
+            raise ValueError("--backend-api-key must be printable ASCII (it is sent in a header)")
         self.health = HealthRules(self.eject_after, self.return_after)
-        check_policy(self.policy)
+        both = check_policy(self.policy)
+        self.policies = {
+            "prefill": check_policy(self.prefill_policy or both),
+            "decode": check_policy(self.decode_policy or both),
+        }
 
 
 class _FleetCollector(Collector):
@@ -216,8 +233,10 @@ class Metrics:
         )
 
 
-def error_body(message: str, kind: str, backend: str | None = None) -> dict[str, Any]:
-    err: dict[str, Any] = {"message": message, "type": kind}
+def error_body(status: int, message: str, kind: str, backend: str | None = None) -> dict[str, Any]:
+    """An error as vLLM and OpenAI's API shape it: {"error": {"message", "type", "code"}}
+    (code: the HTTP status), plus the backend to blame where there is one."""
+    err: dict[str, Any] = {"message": message, "type": kind, "code": status}
     if backend:
         err["backend"] = backend
     return {"error": err}
@@ -226,7 +245,38 @@ def error_body(message: str, kind: str, backend: str | None = None) -> dict[str,
 def error_response(
     status: int, message: str, kind: str, backend: str | None = None
 ) -> web.Response:
-    return web.json_response(error_body(message, kind, backend), status=status)
+    return web.json_response(error_body(status, message, kind, backend), status=status)
+
+
+ROUTES = (
+    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+    "GET /ready, GET /metrics, GET/POST/DELETE /admin/backends"
+)
+REQUEST_ID = web.RequestKey("kvpush.request_id", str)  # the id a request is answered with
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs id=%{X-Request-Id}o'
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusals (no such route, wrong method, body too large) as JSON errors."""
+    what = f"{request.method} {request.path}"
+    if isinstance(exc, web.HTTPNotFound):
+        return error_response(
+            404, f"no route {what}; this proxy serves {ROUTES}", "not_found_error"
+        )
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return error_response(
+            405, f"{what} is not allowed; {request.path} takes {allowed}", "invalid_request_error"
+        )
+    kind = "invalid_request_error" if exc.status < 500 else "server_error"
+    return error_response(exc.status, f"{what}: {exc.reason}", kind)
+
+
+def bearer_matches(header: str, secret: str) -> bool:
+    """Whether an Authorization header is 'Bearer SECRET', in constant time. Compared as
+    bytes, so a header that is not ASCII is simply wrong (str comparison would raise)."""
+    sent = header.encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(sent, f"Bearer {secret}".encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +288,11 @@ class _Job:
     request_id: str
     prompt_tokens: int
     decode_tokens: int
+    trace: dict[str, str]  # the client's W3C trace context, passed on to both legs
+
+    def headers(self, rid: str) -> dict[str, str]:
+        """A leg's headers (the backend's API key is the session's)."""
+        return {"X-Request-Id": rid, **self.trace}
 
 
 class Proxy:
@@ -245,7 +300,7 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.pools = {role: Pool(role, config.policy, config.health) for role in ROLES}
+        self.pools = {role: Pool(role, config.policies[role], config.health) for role in ROLES}
         for backend in config.prefill:
             self.pools["prefill"].add(backend)
         for backend in config.decode:
@@ -256,6 +311,10 @@ class Proxy:
         # kvpush:failures_total by kind, per backend URL, as last read after a failure.
         self._failures_seen: dict[str, dict[str, float]] = {}
         self._session: aiohttp.ClientSession | None = None
+        self.draining = False  # set at SIGTERM: /ready answers 503, requests in flight finish
+        self.in_flight = 0  # client requests being answered
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -263,8 +322,14 @@ class Proxy:
             timeout = aiohttp.ClientTimeout(
                 total=self.config.request_timeout, sock_connect=self.config.connect_timeout
             )
+            key = self.config.backend_api_key
+            # On every leg, health check and /metrics read: vLLM started with --api-key
+            # refuses /v1/* without it, and sending it elsewhere does no harm.
+            headers = {"Authorization": f"Bearer {key}"} if key else None
             self._session = aiohttp.ClientSession(
-                timeout=timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+                timeout=timeout,
+                headers=headers,
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             )
         return self._session
 
@@ -276,12 +341,14 @@ class Proxy:
 
     def app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.config.max_body_bytes, middlewares=[self._auth_middleware]
+            client_max_size=self.config.max_body_bytes,
+            middlewares=[self._request_middleware, self._auth_middleware],
         )
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/admin/backends", self._admin_list)
         app.router.add_post("/admin/backends", self._admin_add)
@@ -293,8 +360,15 @@ class Proxy:
         async def on_cleanup(_: web.Application) -> None:
             await self.close()
 
+        async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+            # Here rather than in a middleware: a streamed answer sends its headers early.
+            request_id = request.get(REQUEST_ID)
+            if request_id:
+                response.headers["X-Request-Id"] = request_id
+
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
+        app.on_response_prepare.append(on_prepare)
         app[PROXY_KEY] = self
         return app
 
@@ -369,14 +443,68 @@ class Proxy:
         for flight in flights:
             flight.abort(state.reason)
 
+    # -- draining (SIGTERM) ------------------------------------------------------------
+
+    async def drain(self, timeout: float, stop_now: asyncio.Event | None = None) -> int:
+        """Stop being ready (/ready and /health answer 503, so load balancers send no more)
+        and wait until no request is in flight, `timeout` passed or `stop_now` is set.
+        Requests that still arrive are served. Returns how many are still in flight."""
+        self.draining = True
+        log.info(
+            "draining: /ready answers 503; waiting for %d requests in flight (at most %g s)",
+            self.in_flight,
+            timeout,
+        )
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if stop_now is not None:
+            waits.append(asyncio.ensure_future(stop_now.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        if self.in_flight:
+            log.warning("stopping with %d requests still in flight", self.in_flight)
+        return self.in_flight
+
+    # -- middlewares ----------------------------------------------------------------------
+
+    @web.middleware
+    async def _request_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every request: an id to answer with, a count for draining, and errors as JSON."""
+        request[REQUEST_ID] = rewrite.answer_id(request.headers.get("X-Request-Id"))
+        counted = request.path.startswith("/v1/")  # what draining waits for
+        if counted:
+            self.in_flight += 1
+            self._idle.clear()
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            return _http_error(request, exc)
+        except ConnectionError:  # the client went away: nobody to answer
+            raise
+        except Exception:  # a bug here must still answer in the API's shape
+            log.exception("%s %s failed inside the proxy", request.method, request.path)
+            return error_response(
+                500, "internal error in the proxy; its log has the details", "server_error"
+            )
+        finally:
+            if counted:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self._idle.set()
+
     @web.middleware
     async def _auth_middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         key = self.config.api_key
-        needs_key = key and request.path.startswith("/v1/")
-        if needs_key and not hmac.compare_digest(
-            request.headers.get("Authorization", ""), f"Bearer {key}"
+        if (
+            key
+            and request.path.startswith("/v1/")
+            and not bearer_matches(request.headers.get("Authorization", ""), key)
         ):
             return error_response(
                 401,
@@ -406,9 +534,10 @@ class Proxy:
         job = _Job(
             request.path,
             body,
-            rewrite.new_request_id(request.headers.get("X-Request-Id")),
+            rewrite.leg_id(request[REQUEST_ID], request.headers.get("X-Request-Id")),
             prompt_tokens,
             prompt_tokens + rewrite.requested_output_tokens(body),
+            rewrite.trace_headers(request.headers),
         )
         relay = _Relay(request, time.perf_counter(), self.metrics)
         try:
@@ -532,7 +661,10 @@ class Proxy:
         started = time.perf_counter()
         async with _Flight(self, "prefill", state, job.prompt_tokens, job.prompt_tokens) as flight:
             answer = await self._post_json(
-                backend, job.path, rewrite.prefill_body(job.body, params), rid or job.request_id
+                backend,
+                job.path,
+                rewrite.prefill_body(job.body, params),
+                job.headers(rid or job.request_id),
             )
             flight.answered()
             seconds = time.perf_counter() - started
@@ -545,11 +677,11 @@ class Proxy:
             except ValueError as exc:
                 raise BackendFailure("prefill", backend, 502, str(exc)) from None
 
-    async def _post_json(self, backend: Backend, path: str, body: dict[str, Any], rid: str) -> Any:
+    async def _post_json(
+        self, backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Any:
         try:
-            async with self.session.post(
-                backend.url + path, json=body, headers={"X-Request-Id": rid}
-            ) as resp:
+            async with self.session.post(backend.url + path, json=body, headers=headers) as resp:
                 if resp.status != 200:
                     raise BackendFailure("prefill", backend, resp.status, await _describe(resp))
                 return await resp.json()
@@ -563,7 +695,7 @@ class Proxy:
         async with _Flight(self, "decode", state, 1, job.decode_tokens) as flight:
             try:
                 async with self.session.post(
-                    backend.url + job.path, json=body, headers={"X-Request-Id": rid}
+                    backend.url + job.path, json=body, headers=job.headers(rid)
                 ) as resp:
                     if resp.status != 200:
                         raise BackendFailure("decode", backend, resp.status, await _describe(resp))
@@ -610,12 +742,15 @@ class Proxy:
             return error_response(503, str(exc), "backend_error")
         try:
             async with self.session.get(backend.url + "/v1/models") as resp:
-                return web.Response(
-                    status=resp.status, body=await resp.read(), content_type="application/json"
-                )
+                if resp.status in KEY_REFUSED:  # the proxy's key, not the client's
+                    failure = BackendFailure("decode", backend, resp.status, await _describe(resp))
+                else:
+                    return web.Response(
+                        status=resp.status, body=await resp.read(), content_type="application/json"
+                    )
         except (TimeoutError, aiohttp.ClientError) as exc:
             failure = _transport_failure("decode", backend, exc, self.config)
-            return error_response(failure.client_status, str(failure), "backend_error", backend.url)
+        return error_response(failure.client_status, str(failure), "backend_error", backend.url)
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         """Checks every backend now (each probe counts as a health check); a backend is ok
@@ -634,15 +769,24 @@ class Proxy:
             }
             ejected.update({s.url: s.reason for s in states if not s.healthy})
         healthy = all(any(report[role].values()) for role in ROLES)
+        status = "draining" if self.draining else "ok" if healthy else "degraded"
         return web.json_response(
-            {
-                "status": "ok" if healthy else "degraded",
-                "mode": self.config.mode,
-                **report,
-                "ejected": ejected,
-            },
-            status=200 if healthy else 503,
+            {"status": status, "mode": self.config.mode, **report, "ejected": ejected},
+            status=200 if status == "ok" else 503,
         )
+
+    async def _ready(self, request: web.Request) -> web.StreamResponse:
+        """For load balancers and readiness probes: 200 while the proxy takes requests; 503
+        once it drains (SIGTERM) or while a role has no backend in rotation. Probes no
+        backend (cheap to poll; the background health checks keep the rotation current)."""
+        if self.draining:
+            body = {"status": "draining", "in_flight": self.in_flight}
+            return web.json_response(body, status=503)
+        missing = [role for role in ROLES if not self.pools[role].available()]
+        if missing:
+            reason = "no healthy backend: " + ", ".join(missing)
+            return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+        return web.json_response({"status": "ready"})
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         return web.Response(
@@ -661,7 +805,7 @@ class Proxy:
                 "(or $KVPUSH_ADMIN_TOKEN)",
                 "permission_error",
             )
-        if not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {token}"):
+        if not bearer_matches(request.headers.get("Authorization", ""), token):
             return error_response(
                 401,
                 "missing or wrong admin token: send 'Authorization: Bearer <admin token>'",
@@ -685,7 +829,7 @@ class Proxy:
         if refusal:
             return refusal
         now = time.monotonic()
-        view: dict[str, Any] = {"mode": self.config.mode, "policy": self.config.policy}
+        view: dict[str, Any] = {"mode": self.config.mode, "policies": self.config.policies}
         for role, pool in self.pools.items():
             view[role] = [_state_view(pool, s, now) for s in pool]
         return web.json_response(view)
@@ -726,7 +870,7 @@ class Proxy:
         try:
             state = pool.remove(url)
         except ValueError as exc:
-            return error_response(404, str(exc), "not_found")
+            return error_response(404, str(exc), "not_found_error")
         log.info("admin: removed %s backend %s (%d legs finishing)", role, url, state.in_flight)
         return web.json_response({"removed": url, "role": role, "finishing": state.in_flight})
 
@@ -864,7 +1008,7 @@ class _Relay:
         if self.response is None or not self.response.prepared:
             return error_response(status, message, kind, backend)
         # Headers are gone already: tell the streaming client in-band, then end the stream.
-        payload = json.dumps(error_body(message, kind, backend))
+        payload = json.dumps(error_body(status, message, kind, backend))
         try:
             await self.response.write(f"data: {payload}\n\ndata: [DONE]\n\n".encode())
             await self.response.write_eof()
@@ -879,6 +1023,11 @@ async def _describe(resp: aiohttp.ClientResponse) -> str:
         message = json.loads(text).get("error", {}).get("message") or text
     except (json.JSONDecodeError, AttributeError):
         message = text
+    if resp.status in KEY_REFUSED:
+        message += (
+            "; the backend wants an API key: give the proxy --backend-api-key KEY (or "
+            "$KVPUSH_BACKEND_API_KEY), the --api-key its vLLM servers were started with"
+        )
     return f"HTTP {resp.status}: {message}"
 
 
@@ -914,8 +1063,19 @@ def _error_kind(exc: BackendFailure) -> str:
 
 async def start_proxy(config: ProxyConfig, host: str, port: int) -> web.AppRunner:
     """Start serving on host:port and return the runner (call `runner.cleanup()` to stop)."""
-    runner = web.AppRunner(Proxy(config).app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        Proxy(config).app(),
+        handler_cancellation=True,
+        access_log=logging.getLogger("kvpush.proxy.access") if config.access_log else None,
+        access_log_format=ACCESS_LOG_FORMAT,
+        # Proxy.drain has waited for the requests in flight before a clean stop; what
+        # still runs when the runner is cleaned up is to be cut, not waited for.
+        shutdown_timeout=1.0,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except BaseException:
+        await runner.cleanup()  # the health checks started with the app; stop them
+        raise
     return runner

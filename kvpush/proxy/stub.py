@@ -1,7 +1,9 @@
 """A fake vLLM backend speaking just enough of the OpenAI API to test and benchmark the proxy.
 
 It answers instantly (or after `delay`; streamed tokens `token_gap` apart), records every
-request it got (unless `record` is off, as in the benchmark), and can be told to fail:
+request it got (unless `record` is off, as in the benchmark), can require an API key on
+every route (stricter than vLLM's --api-key, which guards /v1/* only), and can be told to
+fail:
 return an HTTP error (its /health then answers 503), or hang, /health included, until the
 client gives up. Not a model: the text it returns is fixed, so what a test checks is the
 proxy's plumbing.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,15 +37,26 @@ class StubBackend:
     cancelled: int = 0
     record: bool = True
     metrics: str = ""  # what /metrics answers, e.g. a kvpush:info line
+    api_key: str | None = None  # required as 'Authorization: Bearer KEY' when set
+    refused: int = 0  # requests refused for a missing or wrong key
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
+
+    @web.middleware
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self.refused += 1
+            return web.json_response({"error": "Unauthorized"}, status=401)  # as vLLM says it
+        return await handler(request)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics)

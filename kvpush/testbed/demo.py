@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush.args import at_least, cannot_write, port_number, positive
 from kvpush.bench.timed import read_ledgers
 from kvpush.plan.cli import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_corpus
@@ -514,9 +515,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{', '.join(s for s in SETUPS if s not in MAIN_SETUPS)}; those whose connector "
         "module is not installed are skipped)",
     )
-    parser.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
     parser.add_argument(
-        "--kv-port", type=int, default=5600, help="first NIXL side-channel port (default 5600)"
+        "--port", type=port_number(), default=8000, help="proxy port (default 8000)"
+    )
+    parser.add_argument(
+        "--kv-port",
+        type=port_number(),
+        default=5600,
+        help="first NIXL side-channel port (default 5600)",
     )
     parser.add_argument(
         "--workdir",
@@ -525,19 +531,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model, logs and caches (default .kvpush; the model goes to WORKDIR/models/tiny)",
     )
     defaults = LoadSpec()
-    parser.add_argument("--requests", type=int, default=defaults.requests)
-    parser.add_argument("--concurrency", type=int, default=defaults.concurrency)
+    parser.add_argument("--requests", type=at_least(1), default=defaults.requests)
+    parser.add_argument("--concurrency", type=at_least(1), default=defaults.concurrency)
     parser.add_argument(
-        "--input-len", type=int, default=defaults.input_len, help="prompt tokens (at least)"
+        "--input-len", type=at_least(1), default=defaults.input_len, help="prompt tokens (at least)"
     )
-    parser.add_argument("--output-len", type=int, default=defaults.output_len)
+    parser.add_argument("--output-len", type=at_least(1), default=defaults.output_len)
     parser.add_argument(
         "--request-timeout",
-        type=float,
+        type=positive(),
         default=defaults.request_timeout,
         help="deadline per request in seconds; the first miss marks the setup stalled",
     )
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--startup-timeout", type=positive(), default=300.0)
     parser.add_argument("--seed", type=int, default=defaults.seed, help="prompt RNG seed")
 
 
@@ -569,12 +575,17 @@ def run_all(
             seed=args.seed,
         )
     except ValueError as exc:
-        print(f"kvpush bench: {exc}", file=sys.stderr)
+        print(f"{args.prog}: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
     model = args.workdir / "models" / "tiny"
     print(f"kvpush {label}: setups {', '.join(setups)}; model {model} (built on first use)")
-    ensure_tiny_model(model, TinyModelSpec())
+    try:
+        ensure_tiny_model(model, TinyModelSpec())
+    except OSError as exc:
+        why = cannot_write(exc, model)
+        print(f"{args.prog}: {why}; give a --workdir you can write", file=sys.stderr)
+        return 2
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))

@@ -9,11 +9,6 @@ benchmark choose how many KV bytes each token carries:
     deepseek_v2: kv_bytes_per_token = layers * (512 latent + 64 rotary) * dtype_bytes
 (MLA's latent width is fixed at DeepSeek's 512 + 64, the only one vLLM's CPU kernel runs;
 --head-dim sets its per-head query/value width, and --kv-heads is not used.)
-
-examples:
-  kvpush model tiny models/tiny
-  kvpush model tiny models/gqa8 --heads 16 --kv-heads 8 --head-dim 128
-  kvpush model tiny models/mla --arch deepseek_v2
 """
 
 from __future__ import annotations
@@ -21,9 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from kvpush.args import at_least, cannot_write
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ARCHS = ("qwen2", "deepseek_v2")
@@ -230,27 +228,39 @@ def ensure_tiny_model(out: Path, spec: TinyModelSpec) -> Path:
     return out
 
 
+EXAMPLES = """\
+examples:
+  kvpush model tiny models/tiny          # 2 layers, 512 KV bytes per token, in seconds
+  kvpush model tiny models/m --layers 8 --heads 8 --kv-heads 8 --head-dim 64
+  kvpush model tiny models/gqa8 --heads 16 --kv-heads 8 --head-dim 128
+  kvpush model tiny models/mla --arch deepseek_v2   # multi-head latent attention
+"""
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "model",
         help="build models for local testing",
         description="Build models for local testing, offline.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
     tiny = kinds.add_parser(
         "tiny",
         help="a small random-weight Qwen2 model with a locally trained tokenizer",
         description=__doc__,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tiny.add_argument("dir", type=Path, help="output directory (created if missing)")
     defaults = TinyModelSpec()
-    tiny.add_argument("--layers", type=int, default=defaults.layers)
-    tiny.add_argument("--heads", type=int, default=defaults.heads, help="attention heads")
-    tiny.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
-    tiny.add_argument("--head-dim", type=int, default=defaults.head_dim)
-    tiny.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
-    tiny.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    tiny.add_argument("--layers", type=at_least(1), default=defaults.layers)
+    tiny.add_argument("--heads", type=at_least(1), default=defaults.heads, help="attention heads")
+    tiny.add_argument("--kv-heads", type=at_least(1), default=defaults.kv_heads)
+    tiny.add_argument("--head-dim", type=at_least(1), default=defaults.head_dim)
+    tiny.add_argument("--intermediate-size", type=at_least(1), default=defaults.intermediate_size)
+    tiny.add_argument("--vocab-size", type=at_least(300), default=defaults.vocab_size)
     tiny.add_argument("--dtype", default=defaults.dtype, choices=sorted(DTYPE_BYTES))
     tiny.add_argument(
         "--arch",
@@ -276,9 +286,16 @@ def _run_tiny(args: argparse.Namespace) -> int:
             arch=args.arch,
         )
     except ValueError as exc:
-        print(f"kvpush model tiny: {exc}")
+        print(f"kvpush model tiny: {exc}", file=sys.stderr)
         return 2
-    summary = build_tiny_model(args.dir, spec)
+    try:
+        summary = build_tiny_model(args.dir, spec)
+    except OSError as exc:
+        print(
+            f"kvpush model tiny: {cannot_write(exc, args.dir)}; give a directory you can write",
+            file=sys.stderr,
+        )
+        return 2
     print(
         f"built {summary['path']}: {spec.arch}, {spec.layers} layers, "
         + ("MLA latent 512+64" if spec.arch == "deepseek_v2" else

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpush.args import allow_dash_value, at_least, port_number, positive
 from kvpush.testbed.topology import (
     SETUPS,
     StartupError,
@@ -32,10 +33,13 @@ setups:
 ports: the proxy listens on --port; prefill i on PORT+100+i, decode j on PORT+200+j;
 NIXL side channels on KV_PORT, KV_PORT+1, ...; logs go to WORKDIR/logs/.
 
-example:
+examples:
   kvpush model tiny models/tiny && kvpush up --connector vllm-push --model models/tiny
   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "models/tiny", "prompt": "Hello", "max_tokens": 16}'
+  kvpush up --connector kvpush-pull --model models/tiny --prefill 1 --decode 2 \\
+       --vllm-args "--enable-prefix-caching --max-num-batched-tokens 512"
+  kvpush up --connector vllm-pull --model models/tiny --vllm-args --enable-prefix-caching
 """
 
 
@@ -50,25 +54,37 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--connector", choices=list(SETUPS), required=True)
     parser.add_argument("--model", type=Path, required=True, help="model directory")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill servers (default 1)")
-    parser.add_argument("--decode", type=int, default=1, help="decode servers (default 1)")
-    parser.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
-    parser.add_argument("--kv-port", type=int, default=5600, help="first NIXL side-channel port")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per server")
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--prefill", type=at_least(1), default=1, help="prefill servers (default 1)"
+    )
+    parser.add_argument("--decode", type=at_least(1), default=1, help="decode servers (default 1)")
+    parser.add_argument(
+        "--port", type=port_number(), default=8000, help="proxy port (default 8000)"
+    )
+    parser.add_argument(
+        "--kv-port", type=port_number(), default=5600, help="first NIXL side-channel port"
+    )
+    parser.add_argument("--kv-cache-gib", type=positive(), default=1.0, help="KV cache per server")
+    parser.add_argument("--max-num-seqs", type=at_least(1), default=8)
+    parser.add_argument("--max-model-len", type=at_least(1), default=None)
     parser.add_argument(
         "--eager", action="store_true", help="--enforce-eager: start faster, run slower"
     )
     parser.add_argument(
-        "--vllm-args", default="", help="extra arguments for every vLLM server (one string)"
+        "--vllm-args",
+        default="",
+        metavar="ARGS",
+        help="extra arguments for every vLLM server, as one string: --vllm-args "
+        '"--enable-prefix-caching --max-num-batched-tokens 512"; a single flag needs no '
+        "quotes (--vllm-args --enable-prefix-caching)",
     )
+    allow_dash_value(parser, "--vllm-args")
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--startup-timeout", type=positive(), default=600.0)
+    parser.add_argument("--request-timeout", type=positive(), default=300.0)
     parser.add_argument(
         "--warmup",
-        type=int,
+        type=at_least(0),
         default=1,
         help="requests sent through the proxy before 'ready' is printed (default 1; 0: none)",
     )
@@ -88,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             eager=args.eager,
-            extra_vllm_args=shlex.split(args.vllm_args),
+            extra_vllm_args=vllm_args(args.vllm_args),
             workdir=args.workdir,
         )
     except ValueError as exc:
@@ -118,6 +134,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         topology.stop()
         print("all servers stopped", flush=True)
+
+
+def vllm_args(text: str) -> list[str]:
+    """--vllm-args split as a shell would split it; ValueError says what is wrong."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"--vllm-args {text!r}: {exc} (quote it as one string)") from None
 
 
 def _print_plan(topology: Topology) -> None:

@@ -291,7 +291,7 @@ def test_a_setup_that_never_ran_clean_shows_what_did_finish_flagged(tmp_path: Pa
     line = next(x for x in text.splitlines() if x.startswith("256") and "vllm-pull" in x)
     assert "stalled (15/16 done)" in line and "900.0*" in line
     ours_line = next(x for x in text.splitlines() if "kvpush-push" in x)
-    assert "0.10x*" in ours_line  # against a reference that is itself partial
+    assert "0.10x~" in ours_line  # against a reference that was not ok in every run
     assert "understate" in text
 
 

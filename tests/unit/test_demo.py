@@ -172,9 +172,13 @@ def test_setups_default_to_all_and_unknown_names_are_refused() -> None:
 
 
 def test_bad_load_is_refused_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
-    args = build_parser().parse_args(["bench", "compare", "--concurrency", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["bench", "compare", "--concurrency", "0"])
+    assert exit_.value.code == 2
+    assert "argument --concurrency: must be at least 1" in capsys.readouterr().err
+    args = build_parser().parse_args(["bench", "compare", "--setups", "nccl"])
     assert args.func(args) == 2
-    assert "--concurrency must be at least 1" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("kvpush bench compare: --setups: unknown setup")
 
 
 def test_root_cause_finds_the_first_exception_outside_warnings() -> None:

@@ -8,11 +8,13 @@ import pytest
 
 from kvpush.proxy import rewrite
 from kvpush.proxy.balance import (
+    POLICIES,
     Change,
     HealthRules,
     NoBackend,
     Pool,
     Reported,
+    check_policy,
     parse_vllm_metrics,
 )
 from kvpush.proxy.fleet import Fleet, check_fleet, read_fleet
@@ -21,7 +23,7 @@ from kvpush.proxy.rewrite import Backend
 A, B, C = (Backend(f"http://10.0.0.{i}:8000") for i in (1, 2, 3))
 
 
-def pool(*backends: Backend, policy: str = "least-loaded", **rules: int) -> Pool:
+def pool(*backends: Backend, policy: str = "least_loaded", **rules: int) -> Pool:
     p = Pool("decode", policy, HealthRules(**rules))
     for backend in backends:
         p.add(backend)
@@ -108,7 +110,7 @@ def test_a_backend_with_a_full_kv_cache_is_chosen_only_if_all_are_full() -> None
 def test_ties_go_round_in_turn_and_round_robin_ignores_load() -> None:
     p = pool(A, B, C)
     assert [p.pick(1, 0.0).url for _ in range(3)] == [A.url, B.url, C.url]
-    rr = pool(A, B, policy="round-robin")
+    rr = pool(A, B, policy="round_robin")
     learn(rr, A, 0.5)
     learn(rr, B, 0.001)
     assert [rr.pick(1, 0.0).url for _ in range(4)] == [A.url, B.url, A.url, B.url]
@@ -159,8 +161,14 @@ def test_pool_membership_errors_name_the_pool() -> None:
         p.add(A)
     with pytest.raises(ValueError, match=f"the decode pool has: {A.url}"):
         p.remove(B.url)
-    with pytest.raises(ValueError, match="least-loaded, round-robin"):
+    with pytest.raises(ValueError, match="least_loaded, round_robin"):
         Pool("decode", "random")
+
+
+def test_policies_are_spelled_as_vllm_and_sglang_routers_spell_them() -> None:
+    assert POLICIES == ("least_loaded", "round_robin")
+    assert Pool("decode", "round-robin").policy == "round_robin"  # the old spelling still works
+    assert check_policy("least-loaded") == "least_loaded"
 
 
 def test_vllm_metrics_are_summed_over_engines() -> None:

@@ -109,11 +109,21 @@ def test_validate_body_rejects_with_a_reason(body: object, complaint: str) -> No
         rewrite.validate_body(body)
 
 
-def test_request_ids_are_unique_and_keep_a_client_prefix() -> None:
-    a, b = rewrite.new_request_id(), rewrite.new_request_id()
-    assert a != b
-    assert rewrite.new_request_id("client-7").startswith("client-7-")
-    assert "\n" not in rewrite.new_request_id("bad\nid")
+def test_a_client_id_is_answered_as_sent_and_legs_get_it_made_unique() -> None:
+    a, b = rewrite.answer_id(None), rewrite.answer_id(None)
+    assert a != b and rewrite.leg_id(a, None) == a  # the proxy's own id is unique already
+    assert rewrite.answer_id("client-7") == "client-7"
+    legs = {rewrite.leg_id("client-7", "client-7") for _ in range(2)}
+    assert len(legs) == 2 and all(leg.startswith("client-7-") for leg in legs)
+    for unusable in ("bad\nid", "x" * 129, "caf\u00e9"):
+        answered = rewrite.answer_id(unusable)
+        assert answered != unusable and rewrite.leg_id(answered, unusable) == answered
+
+
+def test_only_a_usable_trace_context_is_passed_on() -> None:
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    headers = {"traceparent": parent, "tracestate": "caf\u00e9=1", "cookie": "c"}
+    assert rewrite.trace_headers(headers) == {"traceparent": parent}
 
 
 INFO = 'kvpush:info{engine="0",mode="%s",model_name="m",role="%s"} 1.0\n'

@@ -1,0 +1,148 @@
+"""`kvpush bench plot` on a real sweep (tests/data/plan/sweep2): every setup drawn or
+explained, coalesced points marked, labels inside the panels, every table mark explained,
+the table as CSV, and a one-line error for a broken result file."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvpush.bench import plot, results
+from kvpush.cli import main
+
+SWEEP2 = Path(__file__).parent.parent / "data" / "plan" / "sweep2"
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[results.Aggregate]:
+    return results.aggregate(results.load_results(SWEEP2))
+
+
+def test_every_mark_in_the_table_is_explained_under_it(rows: list[results.Aggregate]) -> None:
+    text = plot.table(rows)
+    body, notes = text.splitlines()[1:25], text.splitlines()[25:]
+    used = {mark for mark in plot.FOOTNOTES if any(mark in line for line in body)}
+    assert used == {plot.SHAKY, plot.COALESCED}  # sweep2's vllm-pull stalled in some runs
+    explained = {line[0] for line in notes if line[:2] in {f"{m}:" for m in plot.FOOTNOTES}}
+    assert explained == used
+    assert "1 of 3 runs was ok" in text
+
+
+def test_a_coalesced_tpot_is_marked_and_gets_no_ratio(rows: list[results.Aggregate]) -> None:
+    table = [line.split() for line in plot.table(rows).splitlines()]
+    line = next(cells for cells in table if cells[:3] == ["256", "4", "kvpush-push"])
+    assert line[7] == "0.0^" and line[-1] == line[-3] == "-"  # TPOT p50, TPOT/nospin, TPOT/vLLM
+
+
+def test_every_setup_has_a_line_or_a_marker_saying_why_not(
+    rows: list[results.Aggregate],
+) -> None:
+    failed = [
+        results.Aggregate(
+            "vllm-push",
+            r.input_len,
+            r.rate,
+            1,
+            0,
+            ["failed"],
+            ["warm-up"],
+            None,
+            None,
+            None,
+            None,
+            None,
+        )  # fmt: skip
+        for r in rows
+        if r.setup == "vllm-pull"
+    ]
+    fig = plot.figure([*rows, *failed])
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[:4] == ["kvpush-pull", "kvpush-push", "vllm-pull", "vllm-pull-nospin"]
+    assert labels[4] == "vllm-push: no numbers (failed at every point)"
+    ttft_256 = fig.axes[0]
+    (line,) = [ln for ln in ttft_256.get_lines() if ln.get_label() == "vllm-pull"]
+    assert list(line.get_xdata()) == [1.0, 2.0, 4.0]  # stalled in some runs, drawn all the same
+
+
+def test_coalesced_points_sit_on_the_bottom_edge(rows: list[results.Aggregate]) -> None:
+    fig = plot.figure(rows)
+    tpot_256 = fig.axes[2]  # row by row: TTFT 256, TTFT 1024, TPOT 256, TPOT 1024
+    edge = [ln for ln in tpot_256.get_lines() if ln.get_marker() == "v"]
+    assert [list(ln.get_xdata()) for ln in edge if len(ln.get_xdata())] == [[4.0]]
+
+
+def test_status_labels_stay_inside_their_panel(rows: list[results.Aggregate]) -> None:
+    fig = plot.figure(rows)
+    renderer = fig.canvas.get_renderer()
+    labelled = 0
+    for ax in fig.axes:
+        box = ax.get_window_extent(renderer)
+        for text in ax.texts:
+            extent = text.get_window_extent(renderer)
+            assert box.x0 <= extent.x0 and extent.x1 <= box.x1, text.get_text()
+            assert box.y0 <= extent.y0 and extent.y1 <= box.y1, text.get_text()
+            labelled += 1
+    assert labelled == 4 * 3  # vllm-pull was not ok in every run at each of 3 rates
+
+
+def test_the_table_as_csv_on_stdout_and_to_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "fig.png"
+    assert main(["bench", "plot", str(SWEEP2), "--png", str(png), "--csv"]) == 0
+    captured = capsys.readouterr()
+    table = list(csv.DictReader(io.StringIO(captured.out)))
+    assert len(table) == 24 and f"figure: {png}" in captured.err
+    push = next(
+        r for r in table if (r["setup"], r["rate"], r["input_len"]) == ("kvpush-push", "4", "256")
+    )
+    assert push["tpot_coalesced"] == "1" and push["tpot_vs_vllm"] == ""
+    assert float(push["ttft_vs_vllm"]) == pytest.approx(124.3 / 5185.6, rel=1e-3)
+    assert push["ttft_vs_vllm_shaky"] == "1" and push["ttft_vs_nospin_shaky"] == "0"
+    out = tmp_path / "table.csv"
+    assert main(["bench", "plot", str(SWEEP2), "--png", str(png), "--csv", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "TTFT/vLLM" in captured.out and f"table: {out}" in captured.out
+    assert out.read_text() == plot.table_csv(results.aggregate(results.load_results(SWEEP2)))
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"rate": None}, "field 'rate' is missing"),
+        ({"setup": None}, "field 'setup' is missing"),
+        ({"input_len": "256"}, "field 'input_len' is '256', not a int"),
+        ({"ttft": 12.0}, "field 'ttft' is 12.0, not {'p50': ms"),
+        ({"completed": "all"}, "field 'completed' is 'all', not a number"),
+    ],
+)
+def test_a_broken_result_file_is_one_line_naming_file_and_field(
+    change: dict[str, object], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shutil.copytree(SWEEP2, tmp_path / "sweep")
+    broken = tmp_path / "sweep" / "vllm-pull_qps2_in256_out32_iter1.json"
+    data = json.loads(broken.read_text())
+    for key, value in change.items():
+        if value is None:
+            del data[key]
+        else:
+            data[key] = value
+    broken.write_text(json.dumps(data))
+    assert main(["bench", "plot", str(tmp_path / "sweep")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"kvpush bench plot: {broken}: {says}")
+    assert "remove the file" in line
+
+
+def test_an_unwritable_figure_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "plot", str(SWEEP2), "--png", "/proc/no/fig.png"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert "cannot write" in captured.err and "--png" in captured.err
