@@ -111,6 +111,10 @@ class Leases:
             raise ValueError(f"transfer {transfer_id} is already leased")
         ended = self._ended.get(transfer_id)
         if ended is not None and ended.refused:
+            # the transfer ends now: its tombstone must last tombstone_s from here, or a
+            # late renewal would find no record and pass for one that came early
+            self._forget(transfer_id)
+            self._bury(transfer_id, ended.reason, refused=True, now=now)
             return [ReleaseBlocks(local, ended.reason)]
         if ended is not None:
             self._forget(transfer_id)
