@@ -27,8 +27,8 @@ from kvpush.plan.model import (
     PlanInputs,
     PrefillSpeed,
     make_plan,
-    read_hf_config,
 )
+from kvpush.plan.model_config import read_model
 from kvpush.plan.simulate import (
     H200_BF16_DENSE_TFLOPS,
     H200_HBM_TBPS,
@@ -122,7 +122,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelShape, DenseFlops | No
     if args.model is not None and args.preset is not None:
         raise PlanError("--model and --preset both name a model; pass only one of them")
     if args.model is not None:
-        found = read_hf_config(args.model, args.dtype)
+        found = read_model(args.model, args.dtype)
         shape, flops = found.shape, found.flops
     elif args.preset is not None:
         shape, flops = PRESETS[args.preset]
@@ -162,7 +162,8 @@ def _add_common(parser: argparse.ArgumentParser, nested: bool = False) -> None:
         "--model",
         default=default(None),
         metavar="CONFIG",
-        help="Hugging Face config.json or its folder",
+        help="a model directory (or its config.json), read through vLLM: MLA, sliding "
+        "windows and head sizes as vLLM allocates them; nothing is downloaded",
     )
     model.add_argument(
         "--preset", default=default(None), choices=sorted(PRESETS), help="articles: Qwen3-32B"
@@ -173,7 +174,8 @@ def _add_common(parser: argparse.ArgumentParser, nested: bool = False) -> None:
     model.add_argument(
         "--dtype",
         default=default(None),
-        help=f"KV dtype, one of {', '.join(sorted(DTYPE_BYTES))}; overrides config",
+        help=f"KV cache dtype, one of {', '.join(sorted(DTYPE_BYTES))} (vLLM's "
+        "--kv-cache-dtype); default: the model's dtype",
     )
     deploy = parser.add_argument_group("deployment (defaults: the articles' setup)")
     deploy.add_argument(
@@ -377,9 +379,19 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def render_plan(plan: Plan) -> str:
     i = plan.inputs
     shape = i.shape
+    per_layer = (
+        f"an MLA latent of {shape.head_dim}"
+        if shape.mla
+        else f"{shape.kv_heads} KV heads x {shape.head_dim} dims"
+    )
+    window = (
+        f"; {shape.window_layers} layers keep a {shape.window:,}-token window"
+        if shape.window and shape.window_layers
+        else ""
+    )
     lines = [
-        f"model        {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} "
-        f"dims, {shape.dtype} ({shape.dtype_bytes} B)",
+        f"model        {shape.layers} layers x {per_layer}, {shape.dtype} "
+        f"({shape.dtype_bytes} B){window}",
         f"KV/token     {plan.kv_bytes_per_token / KIB:.1f} KiB ({plan.kv_bytes_per_token:,} B)",
         f"KV/request   {_bytes(plan.kv_bytes_per_request)} ({i.input_len:,} prompt tokens)",
         f"transfer     {plan.transfer_ms:.2f} ms ideal, over {i.tp} GPUs x {i.link_gbps:g} GB/s",
@@ -463,10 +475,10 @@ def sim_params(args: argparse.Namespace) -> SimParams:
             "with a dense config.json"
         )
     return SimParams(
-        kv_bytes_per_token=shape.kv_bytes_per_token,
+        kv_bytes_per_token=shape.kv_bytes(args.input_len) // args.input_len,
         prefill=prefill,
         prefill_concurrency=args.prefill_concurrency,
-        tp=args.tp,
+        tp=shape.shards(args.tp),
         link_gbps=args.link_gbps,
         transfer_setup_ms=args.transfer_setup_ms,
         hbm_tbps=args.hbm_tbps,

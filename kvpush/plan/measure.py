@@ -50,7 +50,8 @@ from kvpush.plan.machine import (
     load_profile,
     save_profile,
 )
-from kvpush.plan.model import PlanError, read_hf_config
+from kvpush.plan.model import PlanError
+from kvpush.plan.model_config import read_model
 from kvpush.plan.simulate import Mode
 
 if TYPE_CHECKING:
@@ -449,7 +450,7 @@ def measure(
     """Measure every setup not already in `spec.out` (all of them with `redo`), saving the
     profile after each one, so an interrupted run resumes where it stopped."""
     profile = MachineProfile(
-        kv_bytes_per_token=read_hf_config(spec.model).shape.kv_bytes_per_token,
+        kv_bytes_per_token=read_model(spec.model).shape.kv_bytes_per_token,
         max_num_seqs=spec.max_num_seqs,
         link_gbps=link_gbps,
         memory_gbps=memory_gbps,

@@ -1,11 +1,15 @@
 """Closed-form capacity formulas for the prefill -> decode KV handoff.
 
-Everything here is arithmetic on a model's shape and a deployment's numbers; no I/O except
-`read_hf_config`, no randomness, no time. The formulas are the ones the articles use:
+Everything here is arithmetic on a model's shape and a deployment's numbers; no I/O, no
+randomness, no time (`kvpush.plan.model_config` reads a model's shape through vLLM). The
+formulas are the ones the articles use:
 
-- KV bytes per token = layers x 2 (K and V) x KV heads x head dim x dtype bytes.
-- ideal transfer time = request KV bytes / (TP x per-GPU link bandwidth): every TP rank
-  sends its own shard over its own link at the same time. Link speeds are decimal GB/s.
+- KV bytes per token = layers x 2 (K and V) x KV heads x head dim x dtype bytes; for MLA
+  (DeepSeek-V2/V3, Kimi) one latent vector per layer, layers x latent width x dtype bytes;
+  sliding-window layers hold at most their window's tokens.
+- ideal transfer time = request KV bytes / (shards x per-GPU link bandwidth): every TP rank
+  sends its own shard over its own link at the same time; MLA's latent (and KV heads fewer
+  than ranks) is replicated, so fewer shards than ranks. Link speeds are decimal GB/s.
 - decode slots held (Little's law) = request rate x output tokens x TPOT; a request holds
   one of `--max-num-seqs` slots for as long as it generates.
 - the highest rate a TPOT sustains under a utilisation target is the inverse of that.
@@ -17,11 +21,8 @@ FLOPs, the second term being causal attention (QK^T and AV over n/2 keys on aver
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 GB = 1e9
 KIB = 1024
@@ -39,6 +40,8 @@ DTYPE_BYTES: dict[str, int] = {
     "fp8": 1,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
     "int8": 1,
 }
 
@@ -73,26 +76,56 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The part of a model's shape that sizes its KV cache."""
+    """The part of a model's shape that sizes its KV cache.
+
+    `mla`: one latent vector of `head_dim` per layer and token (`kv_heads` is 1), not a K
+    and a V per head. `window_layers` of the `layers` keep only the last `window` tokens.
+    """
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype: str
+    mla: bool = False
+    window: int | None = None
+    window_layers: int = 0
 
     def __post_init__(self) -> None:
         check_positive_int("--layers", self.layers, "pass the model's num_hidden_layers")
         check_positive_int("--kv-heads", self.kv_heads, "pass num_key_value_heads")
         check_positive_int("--head-dim", self.head_dim, "pass the attention head size")
         dtype_bytes(self.dtype)
+        if self.window is not None:
+            check_positive_int("sliding window", self.window, "check the model config")
+        if not 0 <= self.window_layers <= self.layers:
+            raise PlanError(
+                f"{self.window_layers} sliding-window layers of {self.layers}; check the config"
+            )
 
     @property
     def dtype_bytes(self) -> int:
         return dtype_bytes(self.dtype)
 
     @property
+    def layer_bytes_per_token(self) -> int:
+        planes = 1 if self.mla else 2
+        return planes * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+        """KV bytes one token adds while the prompt fits every window."""
+        return self.layers * self.layer_bytes_per_token
+
+    def shards(self, tp: int) -> int:
+        """How many TP ranks hold distinct KV (the rest replicate it): an MLA latent is
+        whole on every rank, and fewer KV heads than ranks are shared by several."""
+        return 1 if self.mla else min(tp, self.kv_heads)
+
+    def kv_bytes(self, tokens: int) -> int:
+        """KV bytes of a `tokens`-long prompt: sliding-window layers hold their window."""
+        full = (self.layers - self.window_layers) * tokens
+        windowed = self.window_layers * min(tokens, self.window or tokens)
+        return (full + windowed) * self.layer_bytes_per_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,65 +195,11 @@ class PrefillSpeed:
 
 
 @dataclass(frozen=True, slots=True)
-class HfModel:
-    """What `read_hf_config` found: the KV shape, and FLOPs when the model is dense."""
+class ModelFacts:
+    """A model's KV shape, and FLOPs when the model is dense (see `model_config`)."""
 
     shape: ModelShape
     flops: DenseFlops | None
-
-
-def read_hf_config(path: str | Path, dtype: str | None = None) -> HfModel:
-    """Read a Hugging Face config.json (or a directory holding one).
-
-    `dtype` overrides the config's torch_dtype (or dtype); a multimodal config's
-    `text_config` is used when the top level has no layer count. Mixture-of-experts
-    configs yield no `flops`, since their active parameters are not the dense count.
-    """
-    file = Path(path)
-    if file.is_dir():
-        file = file / "config.json"
-    fix = "pass --model as a Hugging Face config.json (or its folder), or give the shape flags"
-    try:
-        raw = json.loads(file.read_text())
-    except OSError as exc:
-        raise PlanError(f"cannot read model config {str(file)!r}: {exc.strerror}; {fix}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PlanError(f"{str(file)!r} is not valid JSON ({exc}); {fix}") from None
-    if not isinstance(raw, dict):
-        raise PlanError(f"{str(file)!r} is not a JSON object; {fix}")
-    cfg: dict[str, Any] = raw
-    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg, **cfg["text_config"]}
-
-    def field(name: str) -> int:
-        value = cfg.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise PlanError(f"{str(file)!r} has no positive integer {name!r}; {fix}")
-        return value
-
-    layers = field("num_hidden_layers")
-    attn_heads = field("num_attention_heads")
-    kv_heads = field("num_key_value_heads") if "num_key_value_heads" in cfg else attn_heads
-    if cfg.get("head_dim") is not None:
-        head_dim = field("head_dim")
-    else:
-        head_dim = field("hidden_size") // attn_heads
-    model_dtype = dtype or cfg.get("torch_dtype") or cfg.get("dtype")
-    if not isinstance(model_dtype, str):
-        raise PlanError(f"{str(file)!r} names no torch_dtype; pass --dtype (e.g. bfloat16)")
-    shape = ModelShape(layers, kv_heads, head_dim, model_dtype)
-    moe = any(key in cfg for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-    flops = None
-    if not moe and "hidden_size" in cfg and "intermediate_size" in cfg:
-        flops = DenseFlops(
-            layers=layers,
-            hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"),
-            attn_heads=attn_heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-        )
-    return HfModel(shape, flops)
 
 
 def transfer_seconds(nbytes: float, tp: int, link_gbps: float) -> float:
@@ -292,8 +271,9 @@ class Plan:
 
 def make_plan(inputs: PlanInputs) -> Plan:
     per_token = inputs.shape.kv_bytes_per_token
-    per_request = per_token * inputs.input_len
-    transfer_s = transfer_seconds(per_request, inputs.tp, inputs.link_gbps)
+    per_request = inputs.shape.kv_bytes(inputs.input_len)
+    # every rank moves its own KV over its own link: a shard of it, or all of a replica
+    transfer_s = transfer_seconds(per_request, inputs.shape.shards(inputs.tp), inputs.link_gbps)
     modes = []
     for label, tpot in inputs.tpot_ms:
         held = slots_held(inputs.rate, inputs.output_len, tpot / 1e3)

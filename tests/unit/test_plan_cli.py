@@ -35,18 +35,25 @@ def test_plan_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> No
     assert slots == pytest.approx({"pull": 10.65, "push": 7.17}, abs=0.01)
 
 
-def test_plan_reads_a_config_and_flags_override_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_plan_reads_a_model_through_vllm_and_flags_override_it(
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096}
-    (tmp_path / "config.json").write_text(json.dumps(config | {"torch_dtype": "float16"}))
-    assert main(["plan", "--model", str(tmp_path), "--layers", "64", "--json"]) == 0
+    models = Path(__file__).parent.parent / "data" / "models"
+    assert main(["plan", "--model", str(models / "deepseek-v3"), "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["kv_bytes_per_token"] == 70_272
+    assert body["inputs"]["shape"]["mla"] is True
+    argv = ["plan", "--model", str(models / "qwen3-32b"), "--layers", "32", "--json"]
+    assert main(argv) == 0
     body = json.loads(capsys.readouterr().out)
     assert body["inputs"]["shape"] == {
-        "layers": 64,
-        "kv_heads": 32,
+        "layers": 32,
+        "kv_heads": 8,
         "head_dim": 128,
-        "dtype": "float16",
+        "dtype": "bfloat16",
+        "mla": False,
+        "window": None,
+        "window_layers": 0,
     }
 
 
@@ -57,7 +64,7 @@ def test_plan_reads_a_config_and_flags_override_it(
         (["plan", "--preset", "articles", "--rate", "-2"], "--rate must be a positive"),
         (["plan", "--preset", "articles", "--dtype", "fp7"], "unknown dtype 'fp7'"),
         (["plan", "--preset", "articles", "--tpot-ms", "pull=fast"], "not a number"),
-        (["plan", "--model", "/no/such/config.json"], "cannot read model config"),
+        (["plan", "--model", "/no/such/config.json"], "holds no config.json"),
         (["plan", "--model", "x", "--preset", "articles"], "pass only one of them"),
         (
             [

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -16,10 +15,10 @@ from kvpush.plan.model import (
     PrefillSpeed,
     make_plan,
     max_rate,
-    read_hf_config,
     slots_held,
     transfer_seconds,
 )
+from kvpush.plan.model_config import read_model
 
 QWEN3_32B = ModelShape(layers=64, kv_heads=8, head_dim=128, dtype="bfloat16")
 
@@ -124,62 +123,43 @@ def test_prefill_speed_without_attention_term_is_linear() -> None:
         PrefillSpeed(0.0)
 
 
-def write_config(tmp_path: Path, config: object) -> Path:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return path
+MODELS = Path(__file__).parent.parent / "data" / "models"
 
 
-def test_read_hf_config_with_explicit_fields(tmp_path: Path) -> None:
-    path = write_config(
-        tmp_path,
-        {
-            "num_hidden_layers": 64,
-            "num_attention_heads": 64,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "hidden_size": 5120,
-            "intermediate_size": 25600,
-            "torch_dtype": "bfloat16",
-        },
-    )
-    found = read_hf_config(tmp_path)
+def test_deepseek_v3_is_sized_as_mla_by_vllm() -> None:
+    """DeepSeek-V3's published config: one 512+64 latent per layer and token, 61 layers;
+    reading its 128 heads as K and V heads would say ~25x more."""
+    found = read_model(MODELS / "deepseek-v3")
+    assert found.shape.mla and found.shape.kv_bytes_per_token == 61 * 576 * 2 == 70_272
+    assert found.flops is None  # mixture of experts: no dense FLOPs
+    assert found.shape.shards(8) == 1, "every TP rank holds the whole latent"
+    assert read_model(MODELS / "deepseek-v3", kv_dtype="fp8").shape.kv_bytes_per_token == 35_136
+
+
+def test_a_dense_config_gives_shape_and_flops() -> None:
+    found = read_model(MODELS / "qwen3-32b" / "config.json")
     assert found.shape == QWEN3_32B
-    assert found.flops is not None
-    assert found.flops.attn_width == 8192
-    assert read_hf_config(path, dtype="float8").shape.dtype_bytes == 1
+    assert found.flops is not None and found.flops.attn_width == 8192
+    assert found.shape.shards(16) == 8
 
 
-def test_read_hf_config_fallbacks(tmp_path: Path) -> None:
-    path = write_config(
-        tmp_path,
-        {
-            "text_config": {"num_hidden_layers": 32, "num_attention_heads": 32},
-            "hidden_size": 4096,
-            "dtype": "float16",
-            "num_local_experts": 8,
-        },
-    )
-    found = read_hf_config(path)
-    assert found.shape == ModelShape(32, 32, 128, "float16")
-    assert found.flops is None
+def test_sliding_window_layers_hold_only_their_window() -> None:
+    shape = read_model(MODELS / "mistral-7b-v0.1").shape
+    assert (shape.window, shape.window_layers) == (4096, 32)
+    per_token = 32 * 2 * 8 * 128 * 2
+    assert shape.kv_bytes(1000) == 1000 * per_token
+    assert shape.kv_bytes(16_000) == 4096 * per_token
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "cannot read model config"),
-        ("{not json", "is not valid JSON"),
-        ("[1, 2]", "is not a JSON object"),
-        ('{"num_attention_heads": 8}', "no positive integer 'num_hidden_layers'"),
-        ('{"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 64}', "--dtype"),
+        (None, "holds no config.json"),
+        ("{not json", "vLLM cannot read"),
     ],
 )
-def test_read_hf_config_errors_say_what_to_fix(
-    tmp_path: Path, content: str | None, message: str
-) -> None:
-    path = tmp_path / "config.json"
+def test_model_errors_say_what_to_fix(tmp_path: Path, content: str | None, message: str) -> None:
     if content is not None:
-        path.write_text(content)
+        (tmp_path / "config.json").write_text(content)
     with pytest.raises(PlanError, match=message):
-        read_hf_config(path)
+        read_model(tmp_path)
