@@ -193,6 +193,13 @@ def add_sweep_arguments(
     parser.add_argument(
         "--kv-cache-gib", type=positive(), default=1.0, help="per server (default 1)"
     )
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="every server with --no-enable-prefix-caching (default: on, as vLLM's default); "
+        "recorded in each result file",
+    )
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
     parser.add_argument(
         "--request-timeout",
@@ -248,6 +255,7 @@ def sweep_spec(args: argparse.Namespace) -> sweep.SweepSpec:
         run_timeout=args.run_timeout,
         startup_timeout=args.startup_timeout,
         retry_failed=args.retry_failed,
+        prefix_caching=args.prefix_caching,
     )
 
 

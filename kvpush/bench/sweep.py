@@ -1,7 +1,7 @@
 """`kvpush bench sweep`: the articles' method, against vLLM's own connectors, in one run.
 
 For every setup the sweep starts a 1P1D topology with the code `kvpush up` uses (prefill and
-decode vLLM servers, prefix caching off on decode, our proxy in front), warms it up, and
+decode vLLM servers, prefix caching on as vLLM's default, our proxy in front), warms it up, and
 runs `vllm bench serve` (random dataset, fixed seed, `--ignore-eos`) at every request rate x
 input length, with a fixed output length and prompt count. Setups are interleaved across
 iterations (A B C A B C ...). Around each run it scrapes both servers' /metrics (our
@@ -70,6 +70,7 @@ class SweepSpec:
     run_timeout: float | None = None
     startup_timeout: float = 300.0
     retry_failed: bool = False
+    prefix_caching: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -383,6 +384,7 @@ def record_head(spec: SweepSpec, point: Point) -> dict[str, Any]:
         "iteration": point.iteration,
         "num_prompts": spec.num_prompts,
         "max_num_seqs": spec.max_num_seqs,
+        "prefix_caching": spec.prefix_caching,
         "model": str(spec.model),
         "seed": spec.seed,
     }
@@ -509,6 +511,7 @@ def run_group(
             max_num_seqs=spec.max_num_seqs,
             kv_cache_gib=spec.kv_cache_gib,
             extra_env=spec.extra_env,
+            prefix_caching=spec.prefix_caching,
         )
         topology = Topology(config)
         try:

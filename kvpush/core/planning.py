@@ -390,6 +390,11 @@ def check_block_ids(side: str, layout: KVLayout, block_ids: Sequence[int]) -> No
         raise PlanError(f"{side} block ids repeat: each block can hold only one request's KV")
 
 
+def blocks_from(layout: KVLayout, block_ids: Sequence[int], first_token: int) -> Sequence[int]:
+    """A request's block list (from token 0) cut to begin with the block of `first_token`."""
+    return block_ids[first_token // layout.block_tokens :]
+
+
 def blocks_needed(layout: KVLayout, first_token: int, num_tokens: int) -> int:
     """Scheduler blocks holding tokens [first_token, num_tokens), counted from the one
     that holds `first_token`."""

@@ -220,9 +220,11 @@ class Hello:
 class Registration:
     """Decode -> prefill (push): "write transfer `transfer_id` into these blocks of mine".
 
-    `generation` fences retries: decode bumps it each time it (re)allocates blocks for the
-    transfer, and prefill writes only the newest. `deadline_ms` is how long the registration
-    stays valid after it is received.
+    Decode wants tokens [first_token, num_tokens) of the prompt: it holds the ones before
+    `first_token` in its prefix cache, and `block_ids` begins with the block holding
+    `first_token`. `generation` fences retries: decode bumps it each time it (re)allocates
+    blocks for the transfer, and prefill writes only the newest. `deadline_ms` is how long
+    the registration stays valid after it is received.
     """
 
     transfer_id: str = field(metadata=_ID)
@@ -236,6 +238,7 @@ class Registration:
     num_tokens: int = field(metadata=_wire(_int(0, I63_MAX)))
     generation: int = field(metadata=_GENERATION)
     deadline_ms: int = field(metadata=_wire(_int(0, 2**32 - 1)))
+    first_token: int = field(default=0, metadata=_wire(_int(0, I63_MAX)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,6 +501,8 @@ def _cross_check(msg: Message) -> str | None:
         return f"tp_rank {msg.tp_rank} is not below tp_size {msg.tp_size}"
     if isinstance(msg, Hello):
         return _outside_memory(msg.layout, msg.memory)
+    if isinstance(msg, Registration) and msg.first_token > msg.num_tokens:
+        return f"first_token {msg.first_token} is beyond num_tokens {msg.num_tokens}"
     return None
 
 

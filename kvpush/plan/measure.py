@@ -1,7 +1,7 @@
 """`kvpush plan measure`: this machine's simulator parameters, from probes without a handoff.
 
 For each connector setup it starts that setup's 1P1D servers exactly as `kvpush bench
-sweep` does (`kvpush/testbed/topology.py`, eager, prefix caching off on decode), with the
+sweep` does (`kvpush/testbed/topology.py`, eager, vLLM's prefix caching on), with the
 connector's hooks timed (`kvpush.bench.timed`), and measures, per prompt length:
 
 1. prefill: `--prefill-requests` prompts, one at a time, straight to the prefill server

@@ -190,6 +190,8 @@ class TopologyConfig:
     max_num_seqs: int = 8
     max_model_len: int | None = None
     eager: bool = False
+    # vLLM's default, on every server; False adds --no-enable-prefix-caching to each
+    prefix_caching: bool = True
     extra_vllm_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     workdir: Path = Path(".kvpush")
@@ -232,6 +234,7 @@ def bench_pair(
     kv_cache_gib: float = 1.0,
     timed_hooks: bool = False,
     extra_env: dict[str, str] | None = None,
+    prefix_caching: bool = True,
 ) -> TopologyConfig:
     """The 1P1D eager pair every benchmark runs, logs under WORKDIR/LABEL/SETUP; all share
     one compile cache (WORKDIR/vllm-cache), since the model is the same."""
@@ -245,6 +248,7 @@ def bench_pair(
         kv_cache_gib=kv_cache_gib,
         workdir=workdir / label / setup,
         timed_hooks=timed_hooks,
+        prefix_caching=prefix_caching,
         extra_env={
             "VLLM_CACHE_ROOT": str((workdir / "vllm-cache").resolve()),
             **(extra_env or {}),
@@ -287,7 +291,7 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
             argv += ["--max-model-len", str(config.max_model_len)]
         if config.eager:
             argv.append("--enforce-eager")
-        if role == "decode":
+        if not config.prefix_caching:
             argv.append("--no-enable-prefix-caching")
         if config.setup is not None:
             setup = resolve_setup(config.role_setups.get(role, config.setup))

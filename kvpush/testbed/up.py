@@ -71,6 +71,12 @@ def register(subparsers: Any) -> None:
         "--eager", action="store_true", help="--enforce-eager: start faster, run slower"
     )
     parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="start every server with --no-enable-prefix-caching (default: vLLM's default, on)",
+    )
+    parser.add_argument(
         "--vllm-args",
         default="",
         metavar="ARGS",
@@ -104,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             eager=args.eager,
+            prefix_caching=args.prefix_caching,
             extra_vllm_args=vllm_args(args.vllm_args),
             workdir=args.workdir,
         )

@@ -65,6 +65,7 @@ class KvpushConnector(KVConnectorBase_V1):
                 engine_id,
                 is_producer=transfer.kv_role == "kv_producer",
                 tp_size=parallel.tensor_parallel_size,
+                block_size=self.facts.block_size,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

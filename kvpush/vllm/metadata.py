@@ -11,8 +11,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class RecvSpec:
     """Decode: blocks just allocated for a request whose KV comes from prefill.
 
-    Push: prefill writes them. Pull: decode reads prefill's `remote_block_ids`, where
-    prefill computed `remote_num_tokens` tokens (both from prefill's kv_transfer_params).
+    Decode's prefix cache holds the prompt's first `first_token` tokens; `block_ids` (the
+    blocks just allocated) hold the rest, from the block of `first_token` on. Push:
+    prefill writes them. Pull: decode reads prefill's `remote_block_ids`, where prefill
+    computed `remote_num_tokens` tokens (both from prefill's kv_transfer_params).
     """
 
     transfer_id: str
@@ -23,6 +25,7 @@ class RecvSpec:
     prefill_port: int
     prefill_tp: int
     generation: int
+    first_token: int = 0
     remote_block_ids: tuple[int, ...] = ()
     remote_num_tokens: int = 0
     remote_engine_id: str = ""

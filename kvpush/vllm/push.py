@@ -14,7 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvpush.core.planning import PlanError
+from kvpush.core.planning import PlanError, blocks_from
 from kvpush.core.protocol import Cancel, Registration, WriteDone
 from kvpush.core.rendezvous import (
     DropRegistration,
@@ -150,16 +150,19 @@ class PushWriter(PeerLoop[StartWrite]):
             )
             self._fail_start(start, why, "registration_expired")
             return
+        assert self.worker.hello is not None
+        layout = self.worker.hello.layout
         try:
             self.post(
                 start,
                 reg.transfer_id,
                 "WRITE",
                 peer,
-                local.block_ids,
+                blocks_from(layout, local.block_ids, reg.first_token),
                 reg.block_ids,
                 reg.num_tokens,
                 local.num_tokens,
+                reg.first_token,
             )
         except (PlanError, TransferError) as exc:
             self._fail_start(start, f"cannot write KV: {exc}", _kind(exc))

@@ -324,6 +324,7 @@ class Receiver(PeerLoop[_Read]):
             num_tokens=spec.num_tokens,
             generation=spec.generation,
             deadline_ms=int(worker.config.transfer_timeout_s * 1000),
+            first_token=spec.first_token,
         )
         expecting = self.expecting[spec.transfer_id]
         for rank in producers:
@@ -364,15 +365,17 @@ class Receiver(PeerLoop[_Read]):
         expecting = self.expecting[spec.transfer_id]
         expecting.connections[read.rank] = peer.client.connection
         try:
+            assert peer.hello is not None
             self.post(
                 read,
                 spec.transfer_id,
                 "READ",
                 peer,
                 spec.block_ids,
-                spec.remote_block_ids,
+                planning.blocks_from(peer.hello.layout, spec.remote_block_ids, spec.first_token),
                 spec.num_tokens,
                 spec.remote_num_tokens,
+                spec.first_token,
             )
         except (PlanError, TransferError) as exc:
             self._read_failed(read, f"cannot read KV from prefill {peer}: {exc}")

@@ -27,12 +27,18 @@ _DONE_MARK = "_kvpush_registered"
 
 class SchedulerSide:
     def __init__(
-        self, config: KvpushConfig, engine_id: str, is_producer: bool, tp_size: int = 1
+        self,
+        config: KvpushConfig,
+        engine_id: str,
+        is_producer: bool,
+        tp_size: int = 1,
+        block_size: int = 16,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.is_producer = is_producer
         self.tp_size = tp_size
+        self.block_size = block_size
         self.timer = HookTimer("scheduler")
         self._recv: list[RecvSpec] = []
         self._send: list[SendSpec] = []
@@ -55,7 +61,12 @@ class SchedulerSide:
             if self._hold(request, str(params.get("transfer_id") or request.request_id)):
                 return None, False  # vLLM: not known yet, ask again next step
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
-            return (count, True) if count > 0 else (0, False)
+            if count <= 0 or (num_computed_tokens > 0 and count <= self.block_size):
+                # A full prefix-cache hit: vLLM caches whole blocks up to the prompt's last
+                # token, so what is left lies in one block that decode computes itself, as
+                # one server would; update_state_after_alloc lets prefill free its KV.
+                return 0, False
+            return count, True
 
     def _hold(self, request: Request, transfer_id: str) -> bool:
         """Test hook hold_decode: keep the request unallocated for a while."""
@@ -72,20 +83,25 @@ class SchedulerSide:
             params = request.kv_transfer_params
             if not params or not params.get("do_remote_prefill") or params.get(_DONE_MARK):
                 return
-            if num_external_tokens <= 0:
-                return
             transfer_id = str(params.get("transfer_id") or request.request_id)
+            if num_external_tokens <= 0:
+                # decode's own cache holds the prompt: prefill's KV is not needed
+                self._aborted.append(self._prefill_abort(transfer_id, request.request_id, params))
+                params[_DONE_MARK] = True
+                return
             # A preempted request allocates again: a new generation fences the old blocks.
             generation = self._generations.get(transfer_id, -1) + 1
             self._generations[transfer_id] = generation
             block_ids = tuple(blocks.get_unhashed_block_ids())
             remote_ids = params.get("remote_block_ids") or ()
+            num_tokens = len(request.prompt_token_ids or ())
             self._recv.append(
                 RecvSpec(
                     transfer_id=transfer_id,
                     request_id=request.request_id,
                     block_ids=block_ids,
-                    num_tokens=len(request.prompt_token_ids or ()),
+                    num_tokens=num_tokens,
+                    first_token=num_tokens - num_external_tokens,
                     prefill_host=str(params["remote_host"]),
                     prefill_port=int(params["remote_port"]),
                     prefill_tp=int(params.get("tp_size") or 1),
@@ -98,6 +114,17 @@ class SchedulerSide:
             )
             self._receiving[request.request_id] = transfer_id
             params[_DONE_MARK] = True
+
+    @staticmethod
+    def _prefill_abort(transfer_id: str, request_id: str, params: dict[str, Any]) -> AbortSpec:
+        """Tell the prefill that holds KV for this request to free it (no blocks here)."""
+        return AbortSpec(
+            transfer_id,
+            request_id,
+            str(params.get("remote_host") or ""),
+            int(params.get("remote_port") or 0),
+            int(params.get("tp_size") or 1),
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
         with self.timer("build_connector_meta"):
@@ -127,13 +154,7 @@ class SchedulerSide:
                     # Ended before it got blocks: nothing to stop here, but prefill may
                     # hold KV for it; tell prefill so it frees it now, not at lease end.
                     self._aborted.append(
-                        AbortSpec(
-                            transfer_id,
-                            request.request_id,
-                            str(params["remote_host"]),
-                            int(params["remote_port"]),
-                            int(params.get("tp_size") or 1),
-                        )
+                        self._prefill_abort(transfer_id, request.request_id, params)
                     )
                 return False, None
             if not (self.is_producer and params.get("do_remote_decode")):

@@ -192,6 +192,47 @@ def test_kv_arrives_byte_exact_and_prefill_frees_its_blocks(
     assert pair.prefill.worker.stats_data()["gauges"]["prefill_held_blocks"] == 0
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("decode_block_size", [4, 8], ids=["same-shape", "planned"])
+def test_a_decode_prefix_hit_gets_only_the_uncached_tail(
+    pair_factory: object, mode: str, decode_block_size: int
+) -> None:
+    """Decode's prefix cache holds the first block; only the rest moves, into the blocks
+    allocated for it, and decode's cached block is left alone."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(mode, mode, decode_block_size)
+    cached, tail = 11, (9, 3) if decode_block_size == 4 else (9,)
+    first_token = decode_block_size
+    pair.decode.cache.block_bytes(pair.decode.cache.facts.layer_names[0], cached).fill_(7)
+    before = pair.decode.cache.buffer.clone()
+    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    spec = pair.recv_spec(tail, first_token=first_token)
+    pair.decode.step(KvpushMetadata(recv=[spec]))
+    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert pair.decode.load_errors == set()
+    blocks = (cached, *tail)
+    moved = tokens(pair.decode.cache, blocks, NUM_TOKENS)
+    want = tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS)
+    assert torch.equal(moved[:, first_token:], want[:, first_token:])
+    assert torch.equal(moved[:, :first_token], tokens_of(before, pair.decode.cache, blocks)
+                       [:, :first_token]), "the cached block is untouched"  # fmt: skip
+    initiator = pair.decode if mode == "pull" else pair.prefill
+    (moved_bytes,) = initiator.worker.stats_data()["bytes"]
+    per_token = LAYERS * (HEADS * DIM * 2 * 2)
+    assert moved_bytes >= (NUM_TOKENS - first_token) * per_token
+    assert moved_bytes < NUM_TOKENS * per_token
+
+
+def tokens_of(buffer: torch.Tensor, cache: Cache, blocks: tuple[int, ...]) -> torch.Tensor:
+    """`tokens` of a saved copy of `cache`'s bytes."""
+    saved = cache.buffer.clone()
+    cache.buffer.copy_(buffer)
+    try:
+        return tokens(cache, blocks, NUM_TOKENS)
+    finally:
+        cache.buffer.copy_(saved)
+
+
 def test_pull_prefill_refuses_a_push_decode_naming_both_modes(pair_factory: object) -> None:
     assert callable(pair_factory)
     pair: Pair = pair_factory("pull", "push")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -92,8 +93,10 @@ def test_specs_wire_ports_engine_ids_and_connector_config(tmp_path: Path) -> Non
         "kv_buffer_device": "cpu",
         "engine_id": "prefill-0",
     }
-    assert "--no-enable-prefix-caching" in specs[1].argv
-    assert "--no-enable-prefix-caching" not in specs[0].argv
+    # vLLM's default (prefix caching on) everywhere, unless switched off for every server
+    assert not any("--no-enable-prefix-caching" in s.argv for s in specs)
+    off = build_specs(dataclasses.replace(config, prefix_caching=False), cores=[0, 1])
+    assert all("--no-enable-prefix-caching" in s.argv for s in off)
     assert specs[0].env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7000"
     assert (
         specs[0].env["VLLM_CPU_OMP_THREADS_BIND"],

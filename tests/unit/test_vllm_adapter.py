@@ -59,6 +59,39 @@ def test_decode_registers_blocks_at_allocation_once() -> None:
     assert side.build_connector_meta(SimpleNamespace()).recv == []
 
 
+def test_a_decode_prefix_hit_registers_only_the_uncached_tail() -> None:
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, block_size=16)
+    req = FakeRequest("d", list(range(100)), decode_params())
+    # vLLM found 64 tokens (4 blocks) in decode's prefix cache
+    assert side.get_num_new_matched_tokens(req, 64) == (36, True)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks([7, 8, 9]), 36)  # type: ignore[arg-type]
+    (spec,) = side.build_connector_meta(SimpleNamespace()).recv
+    assert (spec.first_token, spec.num_tokens, spec.block_ids) == (64, 100, (7, 8, 9))
+
+
+@pytest.mark.parametrize("prompt", [97, 100, 112])
+def test_a_full_decode_prefix_hit_needs_no_transfer_and_frees_prefill(prompt: int) -> None:
+    """vLLM caches whole blocks below the prompt's last token: a hit that leaves at most
+    one block is decode's to compute, as on one server; prefill is told to free its KV."""
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, block_size=16)
+    req = FakeRequest("d", list(range(prompt)), decode_params())
+    hit = (prompt - 1) // 16 * 16
+    assert side.get_num_new_matched_tokens(req, hit) == (0, False)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks([7]), 0)  # type: ignore[arg-type]
+    meta = side.build_connector_meta(SimpleNamespace())
+    assert meta.recv == [] and meta.aborted == [AbortSpec("t1", "d", "127.0.0.1", 5600, 1)]
+    # asked again (e.g. after a preemption): nothing to load, nothing to free twice
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks([7]), 0)  # type: ignore[arg-type]
+    assert side.build_connector_meta(SimpleNamespace()).aborted == []
+
+
+def test_a_short_prompt_without_a_hit_is_transferred() -> None:
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, block_size=16)
+    req = FakeRequest("d", list(range(10)), decode_params())
+    assert side.get_num_new_matched_tokens(req, 0) == (10, True)  # type: ignore[arg-type]
+
+
 def test_decode_abort_before_arrival_is_forwarded() -> None:
     side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
     req = FakeRequest("r", list(range(4)), decode_params())
