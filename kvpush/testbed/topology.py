@@ -193,6 +193,8 @@ class TopologyConfig:
     # vLLM's default, on every server; False adds --no-enable-prefix-caching to each
     prefix_caching: bool = True
     extra_vllm_args: list[str] = field(default_factory=list)
+    # More arguments for the servers of one role only ("prefill" or "decode"), after those
+    role_vllm_args: dict[str, list[str]] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
     workdir: Path = Path(".kvpush")
     # Time every connector hook on vLLM's main threads (see kvpush.bench.timed); each
@@ -212,6 +214,9 @@ class TopologyConfig:
             resolve_setup(self.setup)
             if self.n_prefill < 1 or self.n_decode < 1:
                 raise ValueError("--prefill and --decode must be at least 1")
+        for role in self.role_vllm_args:
+            if role not in ("prefill", "decode"):
+                raise ValueError(f"role_vllm_args is for 'prefill' or 'decode', not {role!r}")
         for role, setup in self.role_setups.items():
             if role not in ("prefill", "decode") or self.setup is None:
                 raise ValueError(
@@ -297,7 +302,7 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
             setup = resolve_setup(config.role_setups.get(role, config.setup))
             transfer = setup.transfer_config(role, name, config.timed_hooks)
             argv += ["--kv-transfer-config", json.dumps(transfer)]
-        argv += config.extra_vllm_args
+        argv += config.extra_vllm_args + config.role_vllm_args.get(role, [])
         env = {
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",

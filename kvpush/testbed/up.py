@@ -84,7 +84,16 @@ def register(subparsers: Any) -> None:
         '"--enable-prefix-caching --max-num-batched-tokens 512"; a single flag needs no '
         "quotes (--vllm-args --enable-prefix-caching)",
     )
-    allow_dash_value(parser, "--vllm-args")
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-args",
+            default="",
+            metavar="ARGS",
+            help=f"extra arguments for {role} servers only, after --vllm-args, e.g. "
+            + ('"--max-num-batched-tokens 256"' if role == "prefill"
+               else '"--num-gpu-blocks-override 64"'),  # fmt: skip
+        )
+    allow_dash_value(parser, "--vllm-args", "--prefill-args", "--decode-args")
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument("--startup-timeout", type=positive(), default=600.0)
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
@@ -112,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
             eager=args.eager,
             prefix_caching=args.prefix_caching,
             extra_vllm_args=vllm_args(args.vllm_args),
+            role_vllm_args={
+                role: vllm_args(getattr(args, f"{role}_args"), f"--{role}-args")
+                for role in ("prefill", "decode")
+            },
             workdir=args.workdir,
         )
     except ValueError as exc:
@@ -143,12 +156,12 @@ def run(args: argparse.Namespace) -> int:
         print("all servers stopped", flush=True)
 
 
-def vllm_args(text: str) -> list[str]:
-    """--vllm-args split as a shell would split it; ValueError says what is wrong."""
+def vllm_args(text: str, flag: str = "--vllm-args") -> list[str]:
+    """`flag`'s value split as a shell would split it; ValueError says what is wrong."""
     try:
         return shlex.split(text)
     except ValueError as exc:
-        raise ValueError(f"--vllm-args {text!r}: {exc} (quote it as one string)") from None
+        raise ValueError(f"{flag} {text!r}: {exc} (quote it as one string)") from None
 
 
 def _print_plan(topology: Topology) -> None:

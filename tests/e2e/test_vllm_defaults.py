@@ -1,0 +1,217 @@
+"""vLLM's defaults left on: prefix caching on both servers, chunked prefill, preemption.
+
+One deployment per kvpush mode (`kvpush up`, as a user starts it) with prefix caching on
+(vLLM's default), prefill chunking prompts at 256 tokens (`--max-num-batched-tokens`), and
+a decode KV cache of 10 blocks (of 128 tokens) so that a burst preempts running requests;
+a plain vLLM server is the reference. Every answer must equal the reference's at temperature 0, and
+vLLM's own counters must show what moved: decode's prompt tokens by source
+(`local_cache_hit`, `external_kv_transfer`, `local_compute`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.testbed import scrape
+from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
+from kvpush.testbed.topology import Topology, TopologyConfig
+from tests.e2e.conftest import BASE_PORT, KV_PORT, Deployment, launch, post, wait_ready
+
+pytestmark = pytest.mark.e2e
+SOURCES = "vllm:prompt_tokens_by_source_total"
+REFERENCE_PORT = BASE_PORT + 60
+MODE_PORTS = {"kvpush-push": (BASE_PORT + 70, KV_PORT + 70),
+              "kvpush-pull": (BASE_PORT + 80, KV_PORT + 80)}  # fmt: skip
+MAX_MODEL_LEN = 1024
+# float32: vLLM's CPU kernels give the same answer alone, batched or after a preemption
+# (bf16 rounds a batched step differently and long answers drift apart)
+MODEL = TinyModelSpec(heads=8, kv_heads=4, head_dim=64, dtype="float32")
+ARGS = (
+    "--max-model-len", str(MAX_MODEL_LEN),
+    "--prefill-args", "--max-num-batched-tokens 256",
+    "--decode-args", "--num-gpu-blocks-override 10",
+)  # fmt: skip
+WORDS = ["water", "light", "mountain", "story", "river", "king", "fish", "sun", "tree", "stone"]
+
+
+def text(words: int, offset: int = 0) -> str:
+    return " ".join(WORDS[(i * 7 + offset) % len(WORDS)] for i in range(words))
+
+
+TURN1 = [{"role": "user", "content": "Tell me a story. " + text(260)}]
+TURN2_ASK = {"role": "user", "content": "And then? " + text(40, 3)}
+SHARED = text(300, 1)
+LONG = text(450, 2)  # ~720 tokens: 3 prefill chunks of 256
+REPEATED = text(300, 5)
+
+
+def completion(model: Path, prompt: str, max_tokens: int = 16) -> dict[str, Any]:
+    return {"model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+
+
+def chat(model: Path, messages: list[dict[str, str]]) -> dict[str, Any]:
+    return {"model": str(model), "messages": messages, "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+
+
+@dataclass
+class Defaults:
+    model: Path
+    reference: str  # base URL of the plain server
+    deployments: dict[str, Deployment]
+
+    def ask(self, base: str, path: str, body: dict[str, Any]) -> Any:
+        return post(base + path, body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def defaults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Defaults]:
+    work = tmp_path_factory.mktemp("defaults")
+    tiny_model = ensure_tiny_model(work / "model", MODEL)
+    deployments = {
+        setup: launch(setup, tiny_model, work / setup, *ARGS, port=port, kv_port=kv)
+        for setup, (port, kv) in MODE_PORTS.items()
+    }
+    config = TopologyConfig(model=tiny_model, setup=None, port=REFERENCE_PORT, eager=True,
+                            max_model_len=MAX_MODEL_LEN, workdir=work / "reference")  # fmt: skip
+    try:
+        # one core, as each prefill and decode server has (see conftest.reference)
+        with Topology(config, cores=[0]) as single:
+            single.start()
+            single.wait_healthy(timeout=400)
+            for deployment in deployments.values():
+                wait_ready(deployment)
+            yield Defaults(tiny_model, single.specs[0].url, deployments)
+    finally:
+        for deployment in deployments.values():
+            deployment.stop()
+
+
+def sources(url: str) -> dict[str, float]:
+    samples = scrape.scrape(url)
+    return {
+        source: scrape.total(samples, SOURCES, source=source)
+        for source in ("local_cache_hit", "external_kv_transfer", "local_compute")
+    }
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in before}
+
+
+SETUPS = sorted(MODE_PORTS)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_multi_turn_chat_transfers_only_the_new_turn(defaults: Defaults, setup: str) -> None:
+    d = defaults.deployments[setup]
+    ref1 = defaults.ask(defaults.reference, "/v1/chat/completions", chat(defaults.model, TURN1))
+    got1 = defaults.ask(d.proxy, "/v1/chat/completions", chat(defaults.model, TURN1))
+    answer1 = ref1["choices"][0]["message"]["content"]
+    assert got1["choices"][0]["message"]["content"] == answer1
+    turn2 = [*TURN1, {"role": "assistant", "content": answer1}, TURN2_ASK]
+    before = sources(d.decode)
+    got2 = defaults.ask(d.proxy, "/v1/chat/completions", chat(defaults.model, turn2))
+    moved = delta(before, sources(d.decode))
+    ref2 = defaults.ask(defaults.reference, "/v1/chat/completions", chat(defaults.model, turn2))
+    assert got2["choices"][0]["message"]["content"] == ref2["choices"][0]["message"]["content"]
+    prompt = got2["usage"]["prompt_tokens"]
+    assert moved["local_cache_hit"] >= 256, f"turn 1's blocks came from decode's cache: {moved}"
+    assert 0 < moved["external_kv_transfer"] < prompt - 256, moved
+    assert sum(moved.values()) == prompt, moved
+    print(f"\n{setup}: turn 2 of {prompt} prompt tokens: {moved}")
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_full_decode_hit_moves_nothing_and_frees_prefill(defaults: Defaults, setup: str) -> None:
+    d = defaults.deployments[setup]
+    body = completion(defaults.model, REPEATED)
+    first = defaults.ask(d.proxy, "/v1/completions", body)
+    before = sources(d.decode)
+    started = time.monotonic()
+    again = defaults.ask(d.proxy, "/v1/completions", body)
+    took = time.monotonic() - started
+    moved = delta(before, sources(d.decode))
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    prompt = again["usage"]["prompt_tokens"]
+    assert moved["external_kv_transfer"] == 0, moved
+    assert moved["local_cache_hit"] == (prompt - 1) // 128 * 128, moved
+    assert took < 10, f"a full hit waited {took:.1f} s (for a transfer that never comes?)"
+    assert prefill_holds_nothing(d), "prefill freed the KV nobody will take"
+
+
+def prefill_holds_nothing(d: Deployment, wait: float = 5.0) -> bool:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        samples = scrape.scrape(d.prefill)
+        held = scrape.total(samples, "kvpush:prefill_held_blocks")
+        if held == 0 and scrape.total(samples, "vllm:kv_cache_usage_perc") == 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_prefill_prefix_hits_and_chunked_prefill_hand_over_the_whole_prompt(
+    defaults: Defaults, setup: str
+) -> None:
+    d = defaults.deployments[setup]
+    prompts = [SHARED + " " + text(12, i) for i in range(4)] + [LONG]
+    want = [
+        defaults.ask(defaults.reference, "/v1/completions", completion(defaults.model, p))
+        for p in prompts
+    ]
+    before = {"prefill": sources(d.prefill), "decode": sources(d.decode)}
+    defaults.ask(d.proxy, "/v1/completions", completion(defaults.model, prompts[0]))  # warm
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(
+            lambda p: defaults.ask(d.proxy, "/v1/completions", completion(defaults.model, p)),
+            prompts,
+        ))  # fmt: skip
+    for g, w, p in zip(got, want, prompts, strict=True):
+        assert g["choices"][0]["text"] == w["choices"][0]["text"], p[:40]
+    assert got[-1]["usage"]["prompt_tokens"] > 2 * 256, "the long prompt spans 3 chunks"
+    prefill = delta(before["prefill"], sources(d.prefill))
+    assert prefill["local_cache_hit"] >= 3 * 256, f"prefill reused the shared prefix: {prefill}"
+    assert prefill_holds_nothing(d)
+
+
+def prompt_of(defaults: Defaults, tokens: int, offset: int) -> str:
+    """A prompt of about `tokens` tokens (a few under), measured with vLLM's /tokenize."""
+    words = tokens * 5 // 8
+    while True:
+        prompt = text(words + 1, offset)
+        body = {"model": str(defaults.model), "prompt": prompt}
+        if post(defaults.reference + "/tokenize", body)["count"] > tokens:
+            return text(words, offset)
+        words += 1
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_preempted_decodes_recompute_and_answer_right(defaults: Defaults, setup: str) -> None:
+    """Eight requests of 380 prompt and 300 output tokens (3 growing to 6 blocks each) in
+    decode's 9 usable blocks: running requests run out of blocks and are preempted, then
+    recomputed. The model is float32: a single vLLM server then answers the same whether
+    requests run alone, batched or preempted (checked), so the text is a fair oracle."""
+    d = defaults.deployments[setup]
+    prompts = [prompt_of(defaults, 380, 10 + i) for i in range(8)]
+    bodies = [completion(defaults.model, p, max_tokens=300) for p in prompts]
+    want = [defaults.ask(defaults.reference, "/v1/completions", b) for b in bodies]
+    preempted = scrape.total(scrape.scrape(d.decode), "vllm:num_preemptions_total")
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        got = list(pool.map(lambda b: defaults.ask(d.proxy, "/v1/completions", b), bodies))
+    for g, w in zip(got, want, strict=True):
+        assert g["choices"][0]["text"] == w["choices"][0]["text"]
+    more = scrape.total(scrape.scrape(d.decode), "vllm:num_preemptions_total") - preempted
+    assert more > 0, "the burst did not preempt anything: the test proves nothing"
+    for side in (d.prefill, d.decode):
+        assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
+    print(f"\n{setup}: {more:.0f} preemptions on decode, every answer right")
