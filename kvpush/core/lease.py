@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpush.core.rendezvous import Deadlines, LocalBlocks, ReleaseBlocks
+from kvpush.core.deadlines import Deadlines
+from kvpush.core.rendezvous import LocalBlocks, ReleaseBlocks
 
 
 @dataclass(eq=False, slots=True)

@@ -35,7 +35,8 @@ from kvpush.core.protocol import (
     WriteDone,
     grant_ok,
 )
-from kvpush.core.rendezvous import ArrivalFailed, Arrivals, Arrived, Deadlines, Outcome
+from kvpush.core.arrivals import ArrivalFailed, Arrivals, Arrived, Outcome
+from kvpush.core.deadlines import Deadlines
 from kvpush.dataplane.control import ControlClient, Unreachable
 from kvpush.dataplane.transport import TransferError
 from kvpush.vllm.metadata import AbortSpec, RecvSpec

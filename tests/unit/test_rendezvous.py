@@ -8,16 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.core.protocol import Cancel, Registration, WriteDone
+from kvpush.core.arrivals import ArrivalFailed, Arrivals, Arrived, Released
 from kvpush.core.rendezvous import (
     Action,
-    ArrivalFailed,
-    Arrivals,
-    Arrived,
     DropRegistration,
     LocalBlocks,
     NotifyFailure,
     ReleaseBlocks,
-    Released,
     Rendezvous,
     StartWrite,
     base_request_id,
