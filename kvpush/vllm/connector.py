@@ -14,12 +14,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpush.vllm.config import ROLES, KvpushConfig
-from kvpush.vllm.layout import kv_cache_facts
+from kvpush.node.config import ROLES, KvpushConfig
+from kvpush.node.context import Identity
+from kvpush.node.worker import WorkerSide
+from kvpush.vllm.layout import describe_kv_caches, kv_cache_facts
 from kvpush.vllm.metadata import KvpushMetadata
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KvpushPromMetrics, KvpushStats
-from kvpush.vllm.worker import Identity, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -129,14 +130,23 @@ class KvpushConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self.worker is not None
-        layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()
-        self.worker.register_kv_caches(kv_caches, self.facts, layout.name)
+        name = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
+        layout, memory = describe_kv_caches(self.facts, kv_caches, name)
+        first = kv_caches[self.facts.layer_names[0]]
+        on_gpu = first.device.type == "cuda"
+        self.worker.start(
+            layout,
+            memory,
+            self.facts.kv_dtype,
+            mem="VRAM" if on_gpu else "DRAM",
+            device=first.device.index or 0,
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpushMetadata)
-        self.worker.start_load_kv(meta)
+        self.worker.start_load_kv(meta.recv, meta.send, meta.aborted)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

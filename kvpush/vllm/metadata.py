@@ -6,56 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-
-@dataclass(frozen=True, slots=True)
-class RecvSpec:
-    """Decode: blocks just allocated for a request whose KV comes from prefill.
-
-    Decode's prefix cache holds the prompt's first `first_token` tokens; `block_ids` (the
-    blocks just allocated) hold the rest, from the block of `first_token` on. Push:
-    prefill writes them. Pull: decode reads prefill's `remote_block_ids`, where prefill
-    computed `remote_num_tokens` tokens (both from prefill's kv_transfer_params).
-    """
-
-    transfer_id: str
-    request_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    prefill_host: str
-    prefill_port: int
-    prefill_tp: int
-    generation: int
-    first_token: int = 0
-    remote_block_ids: tuple[int, ...] = ()
-    remote_num_tokens: int = 0
-    remote_engine_id: str = ""
-    remote_grant: str = ""  # prefill's signature over the above (`protocol.grant`)
-
-
-@dataclass(frozen=True, slots=True)
-class SendSpec:
-    """Prefill: a finished prefill whose blocks wait for decode (push: its registration,
-    pull: its READ)."""
-
-    transfer_id: str
-    request_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class AbortSpec:
-    """A request that ended locally before its transfer did (aborts, client disconnects).
-
-    Decode names the prefill it expected KV from (empty host: not known), so a request that
-    ended before it got any blocks still tells prefill to free the KV it holds for it.
-    """
-
-    transfer_id: str
-    request_id: str
-    prefill_host: str = ""
-    prefill_port: int = 0
-    prefill_tp: int = 1
+from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
 
 
 @dataclass

@@ -14,9 +14,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvpush.core.protocol import grant
-from kvpush.vllm.config import KvpushConfig
-from kvpush.vllm.metadata import AbortSpec, KvpushMetadata, RecvSpec, SendSpec
-from kvpush.vllm.stats import HookTimer
+from kvpush.node.config import KvpushConfig
+from kvpush.node.results import HookTimer
+from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
+from kvpush.vllm.metadata import KvpushMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -6,10 +6,6 @@ the logger process, `aggregate`s them, prints `reduce()` and feeds `KvpushPromMe
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,45 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvpush.vllm.config import ROLES, KvpushConfig
-
-_SERIES = ("bytes", "descriptors", "reg_to_write_s", "write_s", "read_s", "wait_s")
-
-
-def empty_data() -> dict[str, Any]:
-    data: dict[str, Any] = {name: [] for name in _SERIES}
-    data.update(failures={}, rejected={}, hook_s={}, hook_calls={}, gauges={})
-    return data
-
-
-class HookTimer:
-    """Accumulates wall time spent inside vLLM's hooks, i.e. on the engine's main thread."""
-
-    def __init__(self, side: str) -> None:
-        self.side = side
-        self._lock = threading.Lock()
-        self._seconds: dict[str, float] = {}
-        self._calls: dict[str, int] = {}
-
-    @contextmanager
-    def __call__(self, hook: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            took = time.perf_counter() - started
-            key = f"{self.side}.{hook}"
-            with self._lock:
-                self._seconds[key] = self._seconds.get(key, 0.0) + took
-                self._calls[key] = self._calls.get(key, 0) + 1
-
-    def drain(self, data: dict[str, Any]) -> None:
-        with self._lock:
-            for key, seconds in self._seconds.items():
-                data["hook_s"][key] = data["hook_s"].get(key, 0.0) + seconds
-                data["hook_calls"][key] = data["hook_calls"].get(key, 0) + self._calls[key]
-            self._seconds.clear()
-            self._calls.clear()
+from kvpush.node.config import ROLES, KvpushConfig
+from kvpush.node.results import SERIES, empty_data
 
 
 @dataclass
@@ -72,7 +31,7 @@ class KvpushStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         theirs = other.data
-        for name in _SERIES:
+        for name in SERIES:
             self.data[name].extend(theirs.get(name, ()))
         for table in ("failures", "rejected", "hook_s", "hook_calls"):
             for key, value in theirs.get(table, {}).items():

@@ -29,8 +29,8 @@ from kvpush.core.planning import plan_transfer  # noqa: E402
 from kvpush.core.protocol import PROTOCOL_VERSION, Hello, Message, Role  # noqa: E402
 from kvpush.dataplane.control import ControlClient, ControlServer, Peer  # noqa: E402
 from kvpush.dataplane.transport import NixlTransport  # noqa: E402
-from kvpush.vllm.layout import block_pieces, piece_indices  # noqa: E402
-from kvpush.vllm.peers import same_shape  # noqa: E402
+from kvpush.node.layout import block_pieces, piece_indices  # noqa: E402
+from kvpush.node.peers import same_shape  # noqa: E402
 from tests.vllm_caches import FP8, Cache, attention, build, fill, mla  # noqa: E402
 
 PARENT, CHILD = "shape-parent", "shape-child"

@@ -1,5 +1,6 @@
-"""A prefill and a decode `WorkerSide` in one process: real threads, control channel and
-NIXL transfers (UCX over loopback) on vLLM-shaped CPU KV tensors, without vLLM's engine.
+"""A prefill and a decode node (`kvpush.node`) in one process: real threads, control
+channel and NIXL transfers (UCX over loopback) on KV memory laid out as vLLM's CPU backend
+lays it out, without vLLM at all (`tests/node_kv.py`).
 
 The tests play the engine loop: they hand the workers the metadata the scheduler would
 build and collect `get_finished` the way vLLM does every step.
@@ -7,71 +8,60 @@ build and collect `get_finished` the way vLLM does every step.
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
-import torch
-from vllm.v1.kv_cache_layout import KVCacheLayout
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl)")
 
 from kvpush.core.protocol import Message  # noqa: E402
 from kvpush.dataplane.control import ControlServer, Peer  # noqa: E402
-from kvpush.vllm.config import KvpushConfig  # noqa: E402
-from kvpush.vllm.faults import Faults  # noqa: E402
-from kvpush.vllm.metadata import AbortSpec, KvpushMetadata, RecvSpec, SendSpec  # noqa: E402
-from kvpush.vllm.worker import Identity, WorkerSide  # noqa: E402
-from tests.vllm_caches import Cache, attention, build, fill  # noqa: E402
+from kvpush.node.config import KvpushConfig  # noqa: E402
+from kvpush.node.context import Identity  # noqa: E402
+from kvpush.node.faults import Faults  # noqa: E402
+from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec  # noqa: E402
+from kvpush.node.worker import WorkerSide  # noqa: E402
+from tests.node_kv import KVMemory, free_port  # noqa: E402
 
-LAYERS, BLOCKS, HEADS, DIM = 2, 16, 2, 64
+LAYERS, BLOCKS, HEADS, UNIT = 2, 16, 2, 256  # UNIT: K and V of 64 bf16 values
 PREFILL_BLOCKS = (5, 6, 7)
 NUM_TOKENS = 10
 
 
-def free_port(span: int = 2) -> int:
-    """A port with `span` free ports from it, below the kernel's ephemeral range (32768+), so
-    no outgoing connection of this process takes it before the control server binds it."""
-    while True:
-        port = random.randrange(20_000, 25_000)
-        try:
-            for offset in range(span):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port + offset))
-        except OSError:
-            continue
-        return port
+def kv_cache(block_size: int, seed: int | None, tp: int = 1) -> KVMemory:
+    """A TP rank's KV memory: random bytes (a seed) or zeros."""
+    return KVMemory.make(LAYERS, BLOCKS, HEADS // tp, block_size, UNIT, HEADS, seed)
 
 
-def kv_cache(block_size: int, seed: int | None, tp: int = 1) -> Cache:
-    """A TP rank's KV cache as vLLM builds it (heads outermost in a block, vLLM's CPU
-    layout); random bytes (a seed) or zeros."""
-    spec = attention(HEADS // tp, DIM, block_size)
-    cache = build(spec, KVCacheLayout.LBHNC, tp_size=tp, model_kv_heads=HEADS,
-                  num_blocks=BLOCKS, layers=LAYERS)  # fmt: skip
-    fill(cache, seed)
-    return cache
-
-
-def tokens(cache: Cache, blocks: tuple[int, ...], n: int) -> torch.Tensor:
+def tokens(cache: KVMemory, blocks: tuple[int, ...], n: int) -> np.ndarray:
     """The first `n` tokens of every layer: [layer, token, head, K and V bytes]."""
-    return cache.all_tokens(list(blocks), n)
+    return cache.tokens(blocks, n)
+
+
+@dataclass
+class Step:
+    """What one engine step's metadata brings the node."""
+
+    recv: list[RecvSpec] = field(default_factory=list)
+    send: list[SendSpec] = field(default_factory=list)
+    aborted: list[AbortSpec] = field(default_factory=list)
 
 
 @dataclass
 class Side:
     worker: WorkerSide
-    cache: Cache
+    cache: KVMemory
     sending: set[str] = field(default_factory=set)
     recving: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
 
-    def step(self, meta: KvpushMetadata | None = None) -> None:
+    def step(self, meta: Step | None = None) -> None:
         """One engine step's worth of connector calls."""
-        self.worker.start_load_kv(meta or KvpushMetadata())
+        meta = meta or Step()
+        self.worker.start_load_kv(meta.recv, meta.send, meta.aborted)
         sending, recving = self.worker.get_finished()
         self.sending |= sending
         self.recving |= recving
@@ -96,8 +86,8 @@ class Pair:
 
     def start(self, transfer_id: str) -> None:
         """Prefill finishes and decode allocates blocks for `transfer_id`, in one step."""
-        self.prefill.step(KvpushMetadata(send=[send_spec(transfer_id)]))
-        self.decode.step(KvpushMetadata(recv=[self.recv_spec(transfer_id=transfer_id)]))
+        self.prefill.step(Step(send=[send_spec(transfer_id)]))
+        self.decode.step(Step(recv=[self.recv_spec(transfer_id=transfer_id)]))
 
     def recv_spec(self, block_ids: tuple[int, ...] = (1, 9, 3), **over: object) -> RecvSpec:
         fields: dict[str, object] = {
@@ -136,7 +126,7 @@ def start_side(
         Identity(f"{role}-0", role, "tiny", *tp),
     )
     cache = kv_cache(block_size, seed, tp[1])
-    worker.register_kv_caches(cache.views, cache.facts, cache.layout_name)
+    worker.start(cache.layout, cache.memory, "bfloat16")
     return Side(worker, cache)
 
 
@@ -176,13 +166,13 @@ def test_kv_arrives_byte_exact_and_prefill_frees_its_blocks(
     assert callable(pair_factory)
     pair: Pair = pair_factory(mode, mode, decode_block_size)
     decode_blocks = (1, 9, 3) if decode_block_size == 4 else (1, 9)
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec(decode_blocks)]))
+    pair.prefill.step(Step(send=[send_spec()]))
+    pair.decode.step(Step(recv=[pair.recv_spec(decode_blocks)]))
     pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert pair.decode.recving == {"d1"} and pair.prefill.sending == {"p1"}
     assert pair.decode.load_errors == set()
     moved = tokens(pair.decode.cache, decode_blocks, NUM_TOKENS)
-    assert torch.equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
     # transfer metrics are recorded by the side that initiates: prefill WRITEs, decode READs
     initiator = pair.decode if mode == "pull" else pair.prefill
     data = initiator.worker.stats_data()
@@ -203,41 +193,30 @@ def test_a_decode_prefix_hit_gets_only_the_uncached_tail(
     pair: Pair = pair_factory(mode, mode, decode_block_size)
     cached, tail = 11, (9, 3) if decode_block_size == 4 else (9,)
     first_token = decode_block_size
-    pair.decode.cache.block_bytes(pair.decode.cache.facts.layer_names[0], cached).fill_(7)
-    before = pair.decode.cache.buffer.clone()
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.decode.cache.array[:, cached] = 7
+    before = pair.decode.cache.array.copy()
+    pair.prefill.step(Step(send=[send_spec()]))
     spec = pair.recv_spec(tail, first_token=first_token)
-    pair.decode.step(KvpushMetadata(recv=[spec]))
+    pair.decode.step(Step(recv=[spec]))
     pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert pair.decode.load_errors == set()
     blocks = (cached, *tail)
     moved = tokens(pair.decode.cache, blocks, NUM_TOKENS)
     want = tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS)
-    assert torch.equal(moved[:, first_token:], want[:, first_token:])
-    assert torch.equal(moved[:, :first_token], tokens_of(before, pair.decode.cache, blocks)
-                       [:, :first_token]), "the cached block is untouched"  # fmt: skip
+    assert np.array_equal(moved[:, first_token:], want[:, first_token:])
+    assert np.array_equal(pair.decode.cache.array[:, cached], before[:, cached]), "cache kept"
     initiator = pair.decode if mode == "pull" else pair.prefill
     (moved_bytes,) = initiator.worker.stats_data()["bytes"]
-    per_token = LAYERS * (HEADS * DIM * 2 * 2)
+    per_token = LAYERS * HEADS * UNIT
     assert moved_bytes >= (NUM_TOKENS - first_token) * per_token
     assert moved_bytes < NUM_TOKENS * per_token
-
-
-def tokens_of(buffer: torch.Tensor, cache: Cache, blocks: tuple[int, ...]) -> torch.Tensor:
-    """`tokens` of a saved copy of `cache`'s bytes."""
-    saved = cache.buffer.clone()
-    cache.buffer.copy_(buffer)
-    try:
-        return tokens(cache, blocks, NUM_TOKENS)
-    finally:
-        cache.buffer.copy_(saved)
 
 
 def test_pull_prefill_refuses_a_push_decode_naming_both_modes(pair_factory: object) -> None:
     assert callable(pair_factory)
     pair: Pair = pair_factory("pull", "push")
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    pair.prefill.step(Step(send=[send_spec()]))
+    pair.decode.step(Step(recv=[pair.recv_spec()]))
     took = pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert took < 2.0
     assert pair.decode.load_errors == {1, 9, 3}, "decode's request fails"
@@ -253,8 +232,8 @@ def test_pull_decode_refuses_a_push_prefill_at_the_handshake(
 ) -> None:
     assert callable(pair_factory)
     pair: Pair = pair_factory("push", "pull", lease_s=0.5)
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    pair.prefill.step(Step(send=[send_spec()]))
+    pair.decode.step(Step(recv=[pair.recv_spec()]))
     took = pair.run_until(lambda: pair.decode.recving)
     assert took < 2.0 and pair.decode.load_errors == {1, 9, 3}
     messages = [r.getMessage() for r in caplog.records]
@@ -268,7 +247,7 @@ def test_pull_decode_refuses_a_push_prefill_at_the_handshake(
 def test_pull_lease_expires_when_no_decode_reads(pair_factory: object) -> None:
     assert callable(pair_factory)
     pair: Pair = pair_factory(lease_s=0.3)
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.prefill.step(Step(send=[send_spec()]))
     took = pair.run_until(lambda: pair.prefill.sending)
     assert 0.25 < took < 2.0
     assert pair.prefill.worker.stats_data()["gauges"]["prefill_leases"] == 0
@@ -279,9 +258,9 @@ def test_pull_read_after_the_lease_ended_fails_instead_of_using_reused_blocks(
 ) -> None:
     assert callable(pair_factory)
     pair: Pair = pair_factory(lease_s=0.2)
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.prefill.step(Step(send=[send_spec()]))
     pair.run_until(lambda: pair.prefill.sending)
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    pair.decode.step(Step(recv=[pair.recv_spec()]))
     pair.run_until(lambda: pair.decode.recving)
     assert pair.decode.load_errors == {1, 9, 3}
 
@@ -290,12 +269,12 @@ def test_pull_decode_renews_the_lease_while_it_waits(pair_factory: object) -> No
     assert callable(pair_factory)
     # Renewals every 0.5 s; the margins are wide because this machine's load is noisy.
     pair: Pair = pair_factory(lease_s=1.0, transfer_timeout_s=10.0)
-    receiver, keeper = pair.decode.worker.receiver, pair.prefill.worker.keeper
+    receiver, keeper = pair.decode.worker.part, pair.prefill.worker.part
     assert receiver is not None and keeper is not None
     # Hold decode's handshakes back (a slow first contact), so no READ starts for 2.5 s.
     gates = [receiver.peers.handshakes.submit(time.sleep, 2.5) for _ in range(2)]
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    pair.prefill.step(Step(send=[send_spec()]))
+    pair.decode.step(Step(recv=[pair.recv_spec()]))
     pair.run_until(lambda: pair.decode.recving, timeout=10.0)
     assert all(gate.done() for gate in gates)
     assert pair.decode.load_errors == set(), "renewals kept the 1 s lease alive"
@@ -303,20 +282,20 @@ def test_pull_decode_renews_the_lease_while_it_waits(pair_factory: object) -> No
         assert keeper.leases.stats.renewed >= 2
     pair.run_until(lambda: pair.prefill.sending)
     moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
-    assert torch.equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
 
 
 def test_pull_decode_abort_reports_the_request_and_frees_prefill(pair_factory: object) -> None:
     assert callable(pair_factory)
     pair: Pair = pair_factory()
     # a first transfer makes the peers known to each other
-    pair.prefill.step(KvpushMetadata(send=[SendSpec("t0", "p0", (1, 2, 3), NUM_TOKENS)]))
+    pair.prefill.step(Step(send=[SendSpec("t0", "p0", (1, 2, 3), NUM_TOKENS)]))
     first = pair.recv_spec(transfer_id="t0", request_id="d0", remote_block_ids=(1, 2, 3))
-    pair.decode.step(KvpushMetadata(recv=[first]))
+    pair.decode.step(Step(recv=[first]))
     pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.prefill.step(Step(send=[send_spec()]))
     # decode's request ends before its READ is even posted
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()], aborted=[AbortSpec("t1", "d1")]))
+    pair.decode.step(Step(recv=[pair.recv_spec()], aborted=[AbortSpec("t1", "d1")]))
     took = pair.run_until(lambda: "d1" in pair.decode.recving and "p1" in pair.prefill.sending)
     assert took < 2.0, "prefill freed its blocks on decode's ReadDone, not at lease end"
     assert pair.decode.load_errors == set()
@@ -326,14 +305,14 @@ def test_push_decode_abort_frees_its_blocks_once_prefill_confirms(pair_factory: 
     assert callable(pair_factory)
     pair: Pair = pair_factory("push", "push", transfer_timeout_s=5.0)
     # decode registers and its request ends before prefill finished
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()], aborted=[AbortSpec("t1", "d1")]))
+    pair.decode.step(Step(recv=[pair.recv_spec()], aborted=[AbortSpec("t1", "d1")]))
     took = pair.run_until(lambda: pair.decode.recving)
     assert took < 2.0, "prefill's acknowledgement frees the blocks, not the 5 s deadline"
     assert pair.decode.load_errors == set()
     assert pair.decode.worker.stats_data()["failures"] == {}, "an abort is not a failure"
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.prefill.step(Step(send=[send_spec()]))
     pair.run_until(lambda: pair.prefill.sending)  # decode gave up: freed at once
-    assert torch.count_nonzero(tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)) == 0
+    assert np.count_nonzero(tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)) == 0
 
 
 def test_push_abort_during_a_write_waits_for_the_write_to_end(pair_factory: object) -> None:
@@ -342,10 +321,10 @@ def test_push_abort_during_a_write_waits_for_the_write_to_end(pair_factory: obje
     assert callable(pair_factory)
     pair: Pair = pair_factory("push", "push", faults="delay_write=1.0", transfer_timeout_s=5.0)
     pair.start("t1-fault-delay_write")
-    writer = pair.prefill.worker.writer
+    writer = pair.prefill.worker.part
     assert writer is not None
     pair.run_until(lambda: len(writer.inflight) == 1)  # the WRITE is posted
-    pair.decode.step(KvpushMetadata(aborted=[AbortSpec("t1-fault-delay_write", "d1")]))
+    pair.decode.step(Step(aborted=[AbortSpec("t1-fault-delay_write", "d1")]))
     took = pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert 0.7 < took < 3.0, "reported only once the write in flight ended"
     assert pair.decode.load_errors == set()
@@ -375,7 +354,7 @@ def test_push_prefill_forgets_arrival_times_of_registrations_never_written(
 
     assert callable(pair_factory)
     pair: Pair = pair_factory("push", "push", transfer_timeout_s=0.5)
-    writer = pair.prefill.worker.writer
+    writer = pair.prefill.worker.part
     assert writer is not None
 
     def reg(transfer_id: str) -> Registration:
@@ -430,7 +409,7 @@ def test_push_prefill_that_stays_silent_is_fenced_then_released_by_time(
 
     with ControlServer("127.0.0.1", 0, silent) as frozen:
         spec = pair.recv_spec(prefill_port=frozen.port)
-        pair.decode.step(KvpushMetadata(recv=[spec]))
+        pair.decode.step(Step(recv=[spec]))
         took = pair.run_until(lambda: pair.decode.recving)
     assert 1.1 < took < 3.0, "deadline 0.4 s + fence 0.8 s"
     assert pair.decode.load_errors == {1, 9, 3}
@@ -444,8 +423,8 @@ def test_push_prefill_that_exits_fails_its_transfers_before_their_deadline(
 ) -> None:
     assert callable(pair_factory)
     pair: Pair = pair_factory("push", "push", transfer_timeout_s=20.0)
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
-    receiver = pair.decode.worker.receiver
+    pair.decode.step(Step(recv=[pair.recv_spec()]))
+    receiver = pair.decode.worker.part
     assert receiver is not None
     pair.run_until(lambda: "t1" in receiver.expecting and receiver.expecting["t1"].connections)
     pair.prefill.worker.shutdown()  # closes its control server, as an exiting process does
@@ -465,7 +444,7 @@ def test_push_decode_restarted_on_the_same_address_is_handshaken_again(
     assert callable(pair_factory)
     pair: Pair = pair_factory("push", "push", faults="delay_write=0.5")
     pair.start("t1-fault-delay_write")
-    writer = pair.prefill.worker.writer
+    writer = pair.prefill.worker.part
     assert writer is not None
     pair.run_until(lambda: len(writer.inflight) == 1)  # the WRITE is posted
     port = pair.decode.worker.port
@@ -478,7 +457,7 @@ def test_push_decode_restarted_on_the_same_address_is_handshaken_again(
     pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert pair.decode.load_errors == set()
     moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
-    assert torch.equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
 
 
 def test_decode_request_that_ends_before_it_got_blocks_frees_prefill_at_once(
@@ -490,13 +469,13 @@ def test_decode_request_that_ends_before_it_got_blocks_frees_prefill_at_once(
         pair.start("t0")  # a first transfer: the two know each other
         pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)  # noqa: B023
         pair.prefill.sending.clear()
-        pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+        pair.prefill.step(Step(send=[send_spec()]))
         port = pair.prefill.worker.port
         abort = AbortSpec("t1", "d1", "127.0.0.1", port, 1)
-        pair.decode.step(KvpushMetadata(aborted=[abort]))
+        pair.decode.step(Step(aborted=[abort]))
         took = pair.run_until(lambda: pair.prefill.sending)  # noqa: B023
         assert took < 2.0, f"{mode}: not at the 30 s lease end"
-        receiver = pair.decode.worker.receiver
+        receiver = pair.decode.worker.part
         assert receiver is not None
         time.sleep(0.2)  # prefill's answer (pull) has arrived by now
         for peer in receiver.peers.peers.values():
@@ -513,13 +492,13 @@ def test_pull_decode_reads_nothing_with_coordinates_prefill_did_not_grant(
     assert callable(pair_factory)
     secret = b"pair-secret"
     pair: Pair = pair_factory(secret=secret)  # type: ignore[arg-type]
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+    pair.prefill.step(Step(send=[send_spec()]))
     genuine = grant(secret, "prefill-0", "t1", PREFILL_BLOCKS, NUM_TOKENS)
     forged = pair.recv_spec(remote_block_ids=(5, 6, 8), remote_grant=genuine)
-    pair.decode.step(KvpushMetadata(recv=[forged]))
+    pair.decode.step(Step(recv=[forged]))
     took = pair.run_until(lambda: pair.decode.recving)
     assert took < 2.0 and pair.decode.load_errors == {1, 9, 3}
-    assert torch.count_nonzero(tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)) == 0
+    assert np.count_nonzero(tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)) == 0
     failures = pair.decode.worker.stats_data()["failures"]
     assert failures == {"bad_grant": 1, "receive_failed": 1}
     # the genuine coordinates are read
@@ -531,12 +510,12 @@ def test_pull_decode_reads_nothing_with_coordinates_prefill_did_not_grant(
         remote_grant=genuine,
     )
     pair.decode.load_errors.clear()
-    pair.decode.step(KvpushMetadata(recv=[granted]))
+    pair.decode.step(Step(recv=[granted]))
     pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
     assert pair.decode.load_errors == set(), "the forged read left the genuine lease alone"
     assert pair.decode.worker.stats_data()["failures"] == {}
     moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
-    assert torch.equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
 
 
 def test_pull_decode_with_twice_the_tp_reads_its_heads_and_frees_prefill_after_both(
@@ -548,8 +527,8 @@ def test_pull_decode_with_twice_the_tp_reads_its_heads_and_frees_prefill_after_b
     ranks = [start_side("decode", "pull", 4, None, tp=(r, 2), port=port) for r in (0, 1)]
     try:
         for side in ranks:
-            side.step(KvpushMetadata(recv=[pair.recv_spec()]))
-        pair.prefill.step(KvpushMetadata(send=[send_spec()]))
+            side.step(Step(recv=[pair.recv_spec()]))
+        pair.prefill.step(Step(send=[send_spec()]))
         started = time.monotonic()
         while not (all(side.recving for side in ranks) and pair.prefill.sending):
             assert time.monotonic() - started < 10, "timed out"
@@ -560,7 +539,7 @@ def test_pull_decode_with_twice_the_tp_reads_its_heads_and_frees_prefill_after_b
         for rank, side in enumerate(ranks):
             assert side.load_errors == set()
             heads = source[:, :, rank : rank + 1]
-            assert torch.equal(tokens(side.cache, (1, 9, 3), NUM_TOKENS), heads)
+            assert np.array_equal(tokens(side.cache, (1, 9, 3), NUM_TOKENS), heads)
         assert pair.prefill.worker.stats_data()["gauges"]["prefill_leases"] == 0
     finally:
         for side in ranks:
@@ -574,10 +553,10 @@ def test_a_peer_that_went_away_is_forgotten_so_the_next_transfer_handshakes_agai
 
     assert callable(pair_factory)
     pair: Pair = pair_factory()
-    pair.prefill.step(KvpushMetadata(send=[send_spec()]))
-    pair.decode.step(KvpushMetadata(recv=[pair.recv_spec()]))
+    pair.prefill.step(Step(send=[send_spec()]))
+    pair.decode.step(Step(recv=[pair.recv_spec()]))
     pair.run_until(lambda: pair.decode.recving)
-    receiver = pair.decode.worker.receiver
+    receiver = pair.decode.worker.part
     assert receiver is not None
     peers = receiver.peers
     peer = peers.get("127.0.0.1", pair.prefill.worker.port)

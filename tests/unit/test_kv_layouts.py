@@ -33,13 +33,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvpush.core.planning import head_range, plan_transfer, sources
-from kvpush.vllm.layout import (
-    UnsupportedKVCache,
-    block_pieces,
-    describe_kv_caches,
-    kv_cache_facts,
-    piece_indices,
-)
+from kvpush.node.layout import block_pieces, piece_indices
+from kvpush.vllm.layout import UnsupportedKVCache, describe_kv_caches, kv_cache_facts
 from tests.vllm_caches import FP8, Cache, attention, build, fill, mla
 
 LAYOUTS = list(KVCacheLayout)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.core.protocol import Cancel, Registration, WriteDone
 from kvpush.core.arrivals import ArrivalFailed, Arrivals, Arrived, Released
+from kvpush.core.protocol import Cancel, Registration, WriteDone
 from kvpush.core.rendezvous import (
     Action,
     DropRegistration,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvpush.vllm.config import KvpushConfig
-from kvpush.vllm.metadata import AbortSpec
+from kvpush.node.config import KvpushConfig
+from kvpush.node.specs import AbortSpec
 from kvpush.vllm.scheduler import SchedulerSide
 
 
@@ -212,7 +212,8 @@ def test_pull_prefill_signs_its_coordinates_when_a_secret_is_set() -> None:
 
 
 def test_rejected_message_counts_reach_stats_once() -> None:
-    from kvpush.vllm.worker import Identity, WorkerSide
+    from kvpush.node.context import Identity
+    from kvpush.node.worker import WorkerSide
 
     worker = WorkerSide(KvpushConfig(), Identity("prefill-0", "prefill", "m", 0, 1))
     server = SimpleNamespace(rejected={"bad_mac": 3})

@@ -13,7 +13,6 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from kvpush.core.lease import Leases
 from kvpush.core.planning import destinations
@@ -26,11 +25,9 @@ from kvpush.core.protocol import (
     WriteDone,
 )
 from kvpush.core.rendezvous import LocalBlocks, ReleaseBlocks
-from kvpush.vllm.metadata import SendSpec
-from kvpush.vllm.peers import PeerLoop
-
-if TYPE_CHECKING:
-    from kvpush.vllm.worker import WorkerSide
+from kvpush.node.context import Context
+from kvpush.node.peers import PeerLoop
+from kvpush.node.specs import SendSpec
 
 log = logging.getLogger("kvpush.worker")
 
@@ -38,9 +35,9 @@ log = logging.getLogger("kvpush.worker")
 class LeaseKeeper(PeerLoop[None]):
     """Prefill: lease finished prefills' blocks to decode until its READ is done."""
 
-    def __init__(self, worker: WorkerSide) -> None:
-        super().__init__(worker, "kvpush-pull-leases", "decode")
-        self.leases = Leases(worker.config.lease_s)
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "kvpush-pull-leases", "decode")
+        self.leases = Leases(ctx.config.lease_s)
         self.lock = threading.Lock()
 
     def gauges(self) -> dict[str, float]:
@@ -67,13 +64,12 @@ class LeaseKeeper(PeerLoop[None]):
 
     def answer(self, msg: ReadDone | LeaseRenew) -> ReadDone | LeaseRenew | Cancel:
         """Control-server thread: apply `msg`; echo it if the blocks were held, else Cancel."""
-        ident = self.worker.identity
+        ident = self.ctx.identity
         now = time.monotonic()
         with self.lock:
             self._absorb(now)
             if isinstance(msg, ReadDone):
-                assert self.worker.hello is not None
-                total = self.worker.hello.layout.total_heads
+                total = self.ctx.layout.total_heads
                 readers = len(destinations(ident.tp_rank, ident.tp_size, msg.tp_size, total))
                 problem, released = self.leases.read_done(
                     msg.transfer_id, msg.generation, msg.tp_rank, readers, msg.ok, msg.error, now
@@ -107,14 +103,14 @@ class LeaseKeeper(PeerLoop[None]):
 
     def _refuse(self, reg: Registration, now: float) -> None:
         """A push-mode decode registered blocks: refuse clearly, and free ours at once."""
-        ident = self.worker.identity
+        ident = self.ctx.identity
         why = (
             f"mode mismatch: decode {reg.engine_id} ({reg.host}:{reg.port}) runs kvpush in push "
             f"mode (it sent a Registration), prefill {ident.engine_id} in pull mode; set the "
             "same kv_connector_extra_config.mode on prefill and decode, and the same proxy --mode"
         )
         log.error("refusing transfer %s: %s", reg.transfer_id, why)
-        self.worker.results.count("failures", "incompatible_peer")
+        self.results.count("failures", "incompatible_peer")
         self._release(self.leases.refuse(reg.transfer_id, why, now))
         refusal = WriteDone(
             reg.transfer_id, reg.generation, ident.tp_rank, ident.tp_size, False, why
@@ -123,4 +119,4 @@ class LeaseKeeper(PeerLoop[None]):
 
     def _release(self, actions: list[ReleaseBlocks]) -> None:
         for action in actions:
-            self.worker.results.sent(action.local.request_id)
+            self.results.sent(action.local.request_id)

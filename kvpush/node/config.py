@@ -8,7 +8,7 @@
 Every key is optional. The side channel (our control port) defaults to the same variables
 vLLM's NIXL connectors use, so operators need to learn nothing new:
 VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT (+ the worker's TP rank).
-KVPUSH_FAULTS enables test hooks (`kvpush.vllm.faults`); never set it in production.
+KVPUSH_FAULTS enables test hooks (`kvpush.node.faults`); never set it in production.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.vllm.faults import ENV as FAULTS_ENV
-from kvpush.vllm.faults import Faults
+from kvpush.core.protocol import MODES
+from kvpush.node.faults import ENV as FAULTS_ENV
+from kvpush.node.faults import Faults
 
-MODES = ("push", "pull")
 # vLLM's kv_role -> the side kvpush plays.
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 

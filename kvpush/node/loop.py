@@ -1,4 +1,4 @@
-"""The base of the worker's background threads, and what they report to the engine loop."""
+"""The base of a node's background threads: an inbox, deadlines, and nothing that spins."""
 
 from __future__ import annotations
 
@@ -8,69 +8,18 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
 
-from kvpush.vllm.stats import empty_data
-
-if TYPE_CHECKING:
-    from kvpush.vllm.worker import WorkerSide
+from kvpush.node.results import Results
 
 log = logging.getLogger("kvpush.worker")
-
-
-class Results:
-    """What the background threads tell the engine loop; swapped out under one lock."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.sending: set[str] = set()
-        self.recving: set[str] = set()
-        self.load_errors: set[int] = set()
-        self.data = empty_data()
-
-    def take(self) -> tuple[set[str], set[str]]:
-        with self.lock:
-            sending, recving = self.sending, self.recving
-            self.sending, self.recving = set(), set()
-            return sending, recving
-
-    def take_load_errors(self) -> set[int]:
-        with self.lock:
-            errors, self.load_errors = self.load_errors, set()
-            return errors
-
-    def take_data(self) -> dict[str, Any]:
-        with self.lock:
-            data, self.data = self.data, empty_data()
-            return data
-
-    def sent(self, request_id: str) -> None:
-        """Prefill: vLLM may free the request's blocks."""
-        with self.lock:
-            self.sending.add(request_id)
-
-    def received(self, request_id: str, failed_blocks: tuple[int, ...] = ()) -> None:
-        """Decode: the request's KV arrived, or (with `failed_blocks`) will not."""
-        with self.lock:
-            self.recving.add(request_id)
-            self.load_errors.update(failed_blocks)
-
-    def count(self, table: str, key: str, n: int = 1) -> None:
-        with self.lock:
-            self.data[table][key] = self.data[table].get(key, 0) + n
-
-    def observe(self, **series: float) -> None:
-        with self.lock:
-            for name, value in series.items():
-                self.data[name].append(value)
 
 
 class Loop(threading.Thread):
     """A daemon thread draining `inbox`; subclasses handle items and timeouts."""
 
-    def __init__(self, worker: WorkerSide, name: str) -> None:
+    def __init__(self, results: Results, name: str) -> None:
         super().__init__(name=name, daemon=True)
-        self.worker = worker
+        self.results = results
         self.inbox: queue.Queue[tuple[object, float]] = queue.Queue()
         self._later: list[tuple[float, int, object, float]] = []
         self._seq = itertools.count()
@@ -80,6 +29,10 @@ class Loop(threading.Thread):
         self._stopping = True
         self.inbox.put((None, 0.0))
         self.join(timeout=5)
+
+    def enqueue(self, item: object) -> None:
+        """From any thread: hand `item` to this thread (arrived now)."""
+        self.inbox.put((item, time.monotonic()))
 
     def later(self, item: object, at: float, delay: float) -> None:
         """Handle `item` (queued at `at`) again `delay` seconds from now, on this thread."""
@@ -100,7 +53,7 @@ class Loop(threading.Thread):
                 self.tick()
             except Exception:  # a bug must not kill the thread silently
                 log.exception("%s: unexpected error", self.name)
-                self.worker.results.count("failures", "internal_error")
+                self.results.count("failures", "internal_error")
 
     def wait_time(self) -> float | None:
         """How long to wait for the next item: until the next deadline (None: no limit)."""

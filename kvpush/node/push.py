@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvpush.core.planning import PlanError, blocks_from
 from kvpush.core.protocol import Cancel, Registration, WriteDone
@@ -24,11 +24,9 @@ from kvpush.core.rendezvous import (
     StartWrite,
 )
 from kvpush.dataplane.transport import TransferError
-from kvpush.vllm.metadata import AbortSpec, SendSpec
-from kvpush.vllm.peers import Moving, Peer, PeerLoop, PeerReady
-
-if TYPE_CHECKING:
-    from kvpush.vllm.worker import WorkerSide
+from kvpush.node.context import Context
+from kvpush.node.peers import Moving, PeerLoop, PeerReady, RemoteRank
+from kvpush.node.specs import AbortSpec, SendSpec
 
 log = logging.getLogger("kvpush.worker")
 
@@ -36,10 +34,10 @@ log = logging.getLogger("kvpush.worker")
 class PushWriter(PeerLoop[StartWrite]):
     """Prefill: pair registrations with finished prefills and WRITE into decode."""
 
-    def __init__(self, worker: WorkerSide) -> None:
-        super().__init__(worker, "kvpush-push-writer", "decode")
-        ident = worker.identity
-        self.rendezvous = Rendezvous(ident.tp_rank, ident.tp_size, lease_s=worker.config.lease_s)
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "kvpush-push-writer", "decode")
+        ident = ctx.identity
+        self.rendezvous = Rendezvous(ident.tp_rank, ident.tp_size, lease_s=ctx.config.lease_s)
         self.registered_at: dict[tuple[str, int], float] = {}
         self._held: set[str] = set()  # test hook hold_prefill: transfers already held
         self._counted = dict.fromkeys(_FAILURE_STATS, 0)
@@ -63,7 +61,7 @@ class PushWriter(PeerLoop[StartWrite]):
             self._note_arrival(item, at)
             self.act(self.rendezvous.register(item, now))
         elif isinstance(item, SendSpec):
-            hold = self.worker.config.faults.seconds("hold_prefill", item.transfer_id)
+            hold = self.ctx.config.faults.seconds("hold_prefill", item.transfer_id)
             if hold and item.transfer_id not in self._held:
                 self._held.add(item.transfer_id)
                 self.later(item, at, hold)
@@ -104,7 +102,7 @@ class PushWriter(PeerLoop[StartWrite]):
         in time order, so the oldest go first: a registration never written (dropped,
         stale, expired) is forgotten once it could no longer be."""
         self.registered_at[(reg.transfer_id, reg.generation)] = at
-        too_old = at - 2 * self.worker.config.transfer_timeout_s
+        too_old = at - 2 * self.ctx.config.transfer_timeout_s
         while (oldest := next(iter(self.registered_at.items()))) and oldest[1] < too_old:
             del self.registered_at[oldest[0]]
 
@@ -113,7 +111,7 @@ class PushWriter(PeerLoop[StartWrite]):
             if isinstance(action, StartWrite):
                 self._start(action)
             elif isinstance(action, ReleaseBlocks):
-                self.worker.results.sent(action.local.request_id)
+                self.results.sent(action.local.request_id)
                 if action.reason != "written":
                     log.info("released KV of %s: %s", action.local.request_id, action.reason)
             elif isinstance(action, NotifyFailure):
@@ -131,7 +129,7 @@ class PushWriter(PeerLoop[StartWrite]):
             new = getattr(stats, name) - self._counted[name]
             if new:
                 self._counted[name] += new
-                self.worker.results.count("failures", kind, new)
+                self.results.count("failures", kind, new)
 
     def _start(self, start: StartWrite) -> None:
         reg = start.registration
@@ -141,7 +139,7 @@ class PushWriter(PeerLoop[StartWrite]):
         elif self.peers.when_ready(peer, start):
             self._post(start, peer)
 
-    def _post(self, start: StartWrite, peer: Peer[StartWrite]) -> None:
+    def _post(self, start: StartWrite, peer: RemoteRank[StartWrite]) -> None:
         reg, local = start.registration, start.local
         if time.monotonic() > start.deadline:
             why = (
@@ -150,8 +148,7 @@ class PushWriter(PeerLoop[StartWrite]):
             )
             self._fail_start(start, why, "registration_expired")
             return
-        assert self.worker.hello is not None
-        layout = self.worker.hello.layout
+        layout = self.ctx.layout
         try:
             self.post(
                 start,
@@ -169,11 +166,11 @@ class PushWriter(PeerLoop[StartWrite]):
             return
         now = time.monotonic()
         registered = self.registered_at.pop((reg.transfer_id, reg.generation), now)
-        self.worker.results.observe(reg_to_write_s=max(0.0, now - registered))
+        self.results.observe(reg_to_write_s=max(0.0, now - registered))
 
     def _fail_start(self, start: StartWrite, error: str, kind: str = "write_failed") -> None:
         reg = start.registration
-        self.worker.results.count("failures", kind)
+        self.results.count("failures", kind)
         log.warning("transfer %s to %s failed: %s", reg.transfer_id, reg.engine_id, error)
         self.act(
             self.rendezvous.write_finished(
@@ -188,8 +185,8 @@ class PushWriter(PeerLoop[StartWrite]):
             kind = "write_timeout" if error.startswith("timeout:") else "write_failed"
             self._fail_start(start, error, kind)
             return
-        self.worker.results.observe(write_s=now - moving.posted, bytes=float(moving.nbytes))
-        ident = self.worker.identity
+        self.results.observe(write_s=now - moving.posted, bytes=float(moving.nbytes))
+        ident = self.ctx.identity
         done = WriteDone(reg.transfer_id, reg.generation, ident.tp_rank, ident.tp_size, True, "")
         try:
             peer.client.send(done)

@@ -20,9 +20,10 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvpush.core import planning
+from kvpush.core.arrivals import ArrivalFailed, Arrivals, Arrived, Outcome
+from kvpush.core.deadlines import Deadlines
 from kvpush.core.planning import PlanError
 from kvpush.core.protocol import (
     MAX_TEXT_LEN,
@@ -35,15 +36,11 @@ from kvpush.core.protocol import (
     WriteDone,
     grant_ok,
 )
-from kvpush.core.arrivals import ArrivalFailed, Arrivals, Arrived, Outcome
-from kvpush.core.deadlines import Deadlines
 from kvpush.dataplane.control import ControlClient, Unreachable
 from kvpush.dataplane.transport import TransferError
-from kvpush.vllm.metadata import AbortSpec, RecvSpec
-from kvpush.vllm.peers import Moving, Peer, PeerLoop, PeerReady
-
-if TYPE_CHECKING:
-    from kvpush.vllm.worker import WorkerSide
+from kvpush.node.context import Context
+from kvpush.node.peers import Moving, PeerLoop, PeerReady, RemoteRank
+from kvpush.node.specs import AbortSpec, RecvSpec
 
 log = logging.getLogger("kvpush.worker")
 
@@ -100,11 +97,11 @@ class _NotSent:
 class Receiver(PeerLoop[_Read]):
     """Decode: one per worker; push registers and waits, pull reads."""
 
-    def __init__(self, worker: WorkerSide) -> None:
-        self.pull = worker.config.mode == "pull"
+    def __init__(self, ctx: Context) -> None:
+        self.pull = ctx.config.mode == "pull"
         name = "kvpush-pull-reader" if self.pull else "kvpush-push-receiver"
-        super().__init__(worker, name, "prefill")
-        self.arrivals = Arrivals(worker.config.fence_s)
+        super().__init__(ctx, name, "prefill")
+        self.arrivals = Arrivals(ctx.config.fence_s)
         self.expecting: dict[str, _Expecting] = {}
         self.renewals: Deadlines[_Expecting] = Deadlines()
         self._next_watch = 0.0
@@ -168,7 +165,7 @@ class Receiver(PeerLoop[_Read]):
 
     def _expect(self, spec: RecvSpec, now: float) -> None:
         producers = self._producers(spec.prefill_tp)
-        deadline = now + self.worker.config.transfer_timeout_s
+        deadline = now + self.ctx.config.transfer_timeout_s
         self.arrivals.expect(spec.transfer_id, spec.generation, producers, deadline)
         old = self.expecting.get(spec.transfer_id)
         if old is not None:
@@ -176,7 +173,7 @@ class Receiver(PeerLoop[_Read]):
         expecting = _Expecting(spec, now, producers)
         self.expecting[spec.transfer_id] = expecting
         if self.pull:
-            expecting.deadline = now + self.worker.config.lease_s / 2
+            expecting.deadline = now + self.ctx.config.lease_s / 2
             self.renewals.add(expecting)
             for rank in producers:
                 peer = self.peers.get(spec.prefill_host, spec.prefill_port + rank)
@@ -188,9 +185,8 @@ class Receiver(PeerLoop[_Read]):
 
     def _producers(self, prefill_tp: int) -> tuple[int, ...]:
         """The prefill ranks that send this rank its KV heads."""
-        ident, hello = self.worker.identity, self.worker.hello
-        assert hello is not None
-        total = hello.layout.total_heads
+        ident = self.ctx.identity
+        total = self.ctx.layout.total_heads
         return tuple(sorted(planning.sources(ident.tp_rank, ident.tp_size, prefill_tp, total)))
 
     def _outcomes(self, outcomes: list[Outcome]) -> None:
@@ -203,7 +199,7 @@ class Receiver(PeerLoop[_Read]):
                 continue
             del self.expecting[outcome.transfer_id]
             expecting.alive = False
-            spec, results = expecting.spec, self.worker.results
+            spec, results = expecting.spec, self.results
             if isinstance(outcome, Arrived):
                 results.received(spec.request_id)
                 results.observe(wait_s=time.monotonic() - expecting.started)
@@ -213,7 +209,7 @@ class Receiver(PeerLoop[_Read]):
                     "request %s: reusing its blocks after a %g s fence without every prefill "
                     "rank confirming that no WRITE can land (frozen or partitioned?)",
                     spec.request_id,
-                    self.worker.config.fence_s,
+                    self.ctx.config.fence_s,
                 )
                 results.count("failures", "fence_timeout")
             # vLLM frees (or, on a load failure, fails) the request once reported; its
@@ -223,7 +219,7 @@ class Receiver(PeerLoop[_Read]):
     def _failed(self, expecting: _Expecting, failed: ArrivalFailed) -> None:
         """The KV will not arrive: stop every producer that may still write (`Released`
         follows when none can)."""
-        spec, results = expecting.spec, self.worker.results
+        spec, results = expecting.spec, self.results
         if not expecting.aborted:
             log.warning("request %s: KV did not arrive: %s", spec.request_id, failed.reason)
             results.count("failures", failed.kind)
@@ -235,8 +231,8 @@ class Receiver(PeerLoop[_Read]):
             spec.transfer_id,
             spec.generation,
             failed.reason[:MAX_TEXT_LEN],
-            self.worker.config.host,
-            self.worker.port,
+            self.ctx.config.host,
+            self.ctx.port,
         )
         for rank in failed.unsettled:
             self.peers.submit(self._send, expecting, rank, cancel)
@@ -258,7 +254,7 @@ class Receiver(PeerLoop[_Read]):
     def _abort_unallocated(self, item: AbortSpec) -> None:
         """The request ended before it got blocks: nothing can land here, but prefill may
         hold KV for it - tell each producer rank to free it now."""
-        ident = self.worker.identity
+        ident = self.ctx.identity
         why = "decode request ended before it got blocks"
         for rank in self._producers(item.prefill_tp):
             host, port = item.prefill_host, item.prefill_port + rank
@@ -311,20 +307,20 @@ class Receiver(PeerLoop[_Read]):
     # Push
 
     def _register(self, spec: RecvSpec, producers: tuple[int, ...]) -> None:
-        worker = self.worker
-        ident = worker.identity
+        ctx = self.ctx
+        ident = ctx.identity
         reg = Registration(
             transfer_id=spec.transfer_id,
             request_id=spec.request_id,
             engine_id=ident.engine_id,
-            host=worker.config.host,
-            port=worker.port,
+            host=ctx.config.host,
+            port=ctx.port,
             tp_rank=ident.tp_rank,
             tp_size=ident.tp_size,
             block_ids=spec.block_ids,
             num_tokens=spec.num_tokens,
             generation=spec.generation,
-            deadline_ms=int(worker.config.transfer_timeout_s * 1000),
+            deadline_ms=int(ctx.config.transfer_timeout_s * 1000),
             first_token=spec.first_token,
         )
         expecting = self.expecting[spec.transfer_id]
@@ -336,7 +332,7 @@ class Receiver(PeerLoop[_Read]):
     def _current(self, spec: RecvSpec) -> bool:
         return self.arrivals.is_waiting(spec.transfer_id, spec.generation)
 
-    def _post_read(self, read: _Read, peer: Peer[_Read]) -> None:
+    def _post_read(self, read: _Read, peer: RemoteRank[_Read]) -> None:
         spec = read.spec
         if not self._current(spec):
             return  # ended (aborted, failed, timed out) while the handshake ran
@@ -347,7 +343,7 @@ class Receiver(PeerLoop[_Read]):
                 "kvpush pull mode, or the router dropped its answer's kv_transfer_params",
             )
             return
-        secret = self.worker.config.secret
+        secret = self.ctx.config.secret
         if secret and not grant_ok(
             secret,
             spec.remote_grant,
@@ -386,7 +382,7 @@ class Receiver(PeerLoop[_Read]):
         if error:
             self._read_failed(read, f"READ from prefill {moving.peer} failed: {error}")
             return
-        self.worker.results.observe(read_s=now - moving.posted, bytes=float(moving.nbytes))
+        self.results.observe(read_s=now - moving.posted, bytes=float(moving.nbytes))
         done = self._read_done(read.spec, True, "")
         self.peers.submit(self._ask, read.spec, read.rank, moving.peer.client, done)
 
@@ -418,7 +414,7 @@ class Receiver(PeerLoop[_Read]):
                 self._outcomes(self.arrivals.settle(spec.transfer_id, spec.generation, rank))
 
     def _read_done(self, spec: RecvSpec, ok: bool, error: str) -> ReadDone:
-        ident = self.worker.identity
+        ident = self.ctx.identity
         return ReadDone(
             spec.transfer_id,
             spec.generation,
@@ -434,7 +430,7 @@ class Receiver(PeerLoop[_Read]):
         for rank in expecting.producers:
             client = self._client(spec.prefill_host, spec.prefill_port + rank)
             self.peers.submit(self._ask, spec, rank, client, renew)
-        expecting.deadline = now + self.worker.config.lease_s / 2
+        expecting.deadline = now + self.ctx.config.lease_s / 2
         self.renewals.add(expecting)
 
     def _ask(self, spec: RecvSpec, rank: int, client: ControlClient, msg: Message) -> None:

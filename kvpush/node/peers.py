@@ -28,18 +28,16 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from kvpush.core import planning
 from kvpush.core.planning import KVLayout
 from kvpush.core.protocol import Hello, Message, check_compatible
 from kvpush.dataplane.control import ControlClient
-from kvpush.dataplane.transport import Transfer, TransferError
-from kvpush.vllm.layout import block_pieces, piece_indices
-from kvpush.vllm.threads import Loop
-
-if TYPE_CHECKING:
-    from kvpush.vllm.worker import WorkerSide
+from kvpush.dataplane.transport import TransferError
+from kvpush.node.context import Context, Transfer
+from kvpush.node.layout import block_pieces, piece_indices
+from kvpush.node.loop import Loop
 
 log = logging.getLogger("kvpush.worker")
 
@@ -50,7 +48,7 @@ _MAX_POLL_S = 1e-3
 
 
 @dataclass(slots=True)
-class Peer(Generic[J]):
+class RemoteRank(Generic[J]):
     """One remote TP rank: its control connection and, once handshaken, its NIXL agent."""
 
     host: str
@@ -72,7 +70,7 @@ class Peer(Generic[J]):
 class PeerReady:
     """Inbox item: a handshake ended (see `Peer.error`)."""
 
-    peer: Peer[Any]
+    peer: RemoteRank[Any]
 
 
 class Peers(Generic[J]):
@@ -83,16 +81,16 @@ class Peers(Generic[J]):
     """
 
     def __init__(
-        self, worker: WorkerSide, inbox: queue.Queue[tuple[object, float]], peer_role: str
+        self, ctx: Context, inbox: queue.Queue[tuple[object, float]], peer_role: str
     ) -> None:
-        self.worker = worker
+        self.ctx = ctx
         self.inbox = inbox
         self.peer_role = peer_role
-        self.peers: dict[tuple[str, int], Peer[J]] = {}
+        self.peers: dict[tuple[str, int], RemoteRank[J]] = {}
         self.handshakes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-handshake")
         self.messages = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-message")
 
-    def get(self, host: str, port: int) -> Peer[J]:
+    def get(self, host: str, port: int) -> RemoteRank[J]:
         """The peer at host:port; a fresh one (handshake pending) if it restarted."""
         key = (host, port)
         peer = self.peers.get(key)
@@ -106,11 +104,11 @@ class Peers(Generic[J]):
             peer.client.close()
             peer = None
         if peer is None:
-            client = ControlClient(host, port, secret=self.worker.config.secret, timeout=5.0)
-            peer = self.peers[key] = Peer(host, port, client)
+            client = ControlClient(host, port, secret=self.ctx.config.secret, timeout=5.0)
+            peer = self.peers[key] = RemoteRank(host, port, client)
         return peer
 
-    def when_ready(self, peer: Peer[J], job: J) -> bool:
+    def when_ready(self, peer: RemoteRank[J], job: J) -> bool:
         """True if `job` can go now; else it waits for the handshake (started on first need)."""
         if peer.hello is not None:
             return True
@@ -119,7 +117,7 @@ class Peers(Generic[J]):
             self.handshakes.submit(self._handshake, peer)
         return False
 
-    def ready(self, peer: Peer[J]) -> list[J]:
+    def ready(self, peer: RemoteRank[J]) -> list[J]:
         """On the owning thread, for a `PeerReady`: the jobs that waited on `peer`.
 
         A failed peer is forgotten, so a later job handshakes again (it may have restarted).
@@ -133,7 +131,7 @@ class Peers(Generic[J]):
         """Run `fn` on the message pool: a message exchange that may block on a peer."""
         self.messages.submit(fn, *args)
 
-    def lost(self, peer: Peer[J], error: TransferError) -> None:
+    def lost(self, peer: RemoteRank[J], error: TransferError) -> None:
         """After `error` on a transfer with `peer`: a peer that went away is forgotten, so
         the next transfer handshakes again (it may have restarted, with a new NIXL agent)."""
         key = (peer.host, peer.port)
@@ -158,24 +156,22 @@ class Peers(Generic[J]):
         except (ConnectionError, OSError) as exc:
             log.warning("could not send %s to %s: %s", type(msg).__name__, client.address, exc)
 
-    def _handshake(self, peer: Peer[J]) -> None:
+    def _handshake(self, peer: RemoteRank[J]) -> None:
         """Pool thread: learn the peer's layout and NIXL agent, then hand back."""
-        worker = self.worker
-        assert worker.hello is not None and worker.transport is not None
+        ctx = self.ctx
         try:
-            remote = peer.client.request(worker.hello, timeout=10.0)
+            remote = peer.client.request(ctx.hello, timeout=10.0)
             if not isinstance(remote, Hello):
                 raise ConnectionError(f"expected a Hello, got {type(remote).__name__}")
-            problem = check_compatible(worker.hello, remote)
+            problem = check_compatible(ctx.hello, remote)
             if problem:
                 peer.error_kind = "incompatible_peer"
                 raise ConnectionError(f"incompatible peer {remote.engine_id}: {problem}")
-            agent = worker.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
-            local = worker.hello.layout
-            same = same_shape(local, remote.layout) and remote.tp_size == worker.identity.tp_size
+            agent = ctx.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
+            same = same_shape(ctx.layout, remote.layout) and remote.tp_size == ctx.identity.tp_size
             if same:
-                worker.transport.prepare_peer_blocks(
-                    agent, block_pieces(local), block_pieces(remote.layout)
+                ctx.transport.prepare_peer_blocks(
+                    agent, block_pieces(ctx.layout), block_pieces(remote.layout)
                 )
             peer.agent, peer.same_shape, peer.hello = agent, same, remote
             peer.connection = peer.client.connection
@@ -194,9 +190,9 @@ class Posted:
 
 
 def post_kv(
-    worker: WorkerSide,
+    ctx: Context,
     op: Op,
-    peer: Peer[Any],
+    peer: RemoteRank[Any],
     local_blocks: Sequence[int],
     remote_blocks: Sequence[int],
     num_tokens: int,
@@ -210,8 +206,8 @@ def post_kv(
     many tokens prefill computed. Raises `PlanError` or `TransferError` with what went
     wrong.
     """
-    transport, hello = worker.transport, worker.hello
-    assert transport is not None and hello is not None and peer.hello is not None
+    transport, hello = ctx.transport, ctx.hello
+    assert peer.hello is not None
     if prefill_tokens < num_tokens:
         raise planning.PlanError(
             f"prefill computed {prefill_tokens} tokens but decode needs {num_tokens}"
@@ -236,7 +232,7 @@ def post_kv(
         nbytes = n * local.num_regions * local.sub_blocks * local.block_bytes
         post = transport.write_blocks if op == "WRITE" else transport.read_blocks
         return Posted(post(peer.agent, local_idx, remote_idx), descriptors, nbytes)
-    ours = (local, local_blocks, worker.identity.tp_rank, worker.identity.tp_size)
+    ours = (local, local_blocks, ctx.identity.tp_rank, ctx.identity.tp_size)
     theirs = (remote, remote_blocks, peer.hello.tp_rank, peer.hello.tp_size)
     (src, src_blocks, src_rank, src_tp), (dst, dst_blocks, dst_rank, dst_tp) = (
         (ours, theirs) if op == "WRITE" else (theirs, ours)
@@ -287,7 +283,7 @@ class Moving(Generic[J]):
 
     job: J
     transfer: Transfer
-    peer: Peer[Any]
+    peer: RemoteRank[Any]
     posted: float
     nbytes: int
     hold_until: float = 0.0  # test hook delay_write: seen as in flight until then
@@ -308,7 +304,7 @@ class InFlight(Generic[J]):
         self,
         job: J,
         posted: Posted,
-        peer: Peer[Any],
+        peer: RemoteRank[Any],
         now: float,
         hold_s: float = 0.0,
         injected: TransferError | None = None,
@@ -377,9 +373,10 @@ class InFlight(Generic[J]):
 class PeerLoop(Loop, Generic[J]):
     """A worker thread that talks to peers of `peer_role` and drives the transfers it posts."""
 
-    def __init__(self, worker: WorkerSide, name: str, peer_role: str) -> None:
-        super().__init__(worker, name)
-        self.peers: Peers[J] = Peers(worker, self.inbox, peer_role)
+    def __init__(self, ctx: Context, name: str, peer_role: str) -> None:
+        super().__init__(ctx.results, name)
+        self.ctx = ctx
+        self.peers: Peers[J] = Peers(ctx, self.inbox, peer_role)
         self.inflight: InFlight[J] = InFlight()
 
     def stop(self) -> None:
@@ -395,7 +392,7 @@ class PeerLoop(Loop, Generic[J]):
         job: J,
         transfer_id: str,
         op: Op,
-        peer: Peer[J],
+        peer: RemoteRank[J],
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
         num_tokens: int,
@@ -405,7 +402,7 @@ class PeerLoop(Loop, Generic[J]):
         """`post_kv`, then track the transfer for `job` until `ended` reports it."""
         try:
             posted = post_kv(
-                self.worker,
+                self.ctx,
                 op,
                 peer,
                 local_blocks,
@@ -417,8 +414,8 @@ class PeerLoop(Loop, Generic[J]):
         except TransferError as exc:
             self.peers.lost(peer, exc)
             raise
-        self.worker.results.observe(descriptors=float(posted.descriptors))
-        faults = self.worker.config.faults
+        self.results.observe(descriptors=float(posted.descriptors))
+        faults = self.ctx.config.faults
         injected = None
         if faults.fires("nixl_error", transfer_id):
             what = posted.transfer.what
@@ -431,7 +428,7 @@ class PeerLoop(Loop, Generic[J]):
     def ended(self) -> list[tuple[Moving[J], str]]:
         """Transfers that ended since the last call, with what failed ("" if nothing)."""
         out: list[tuple[Moving[J], str]] = []
-        timeout = self.worker.config.transfer_timeout_s
+        timeout = self.ctx.config.transfer_timeout_s
         for moving, error in self.inflight.poll(time.monotonic(), timeout):
             if error is not None:
                 self.peers.lost(moving.peer, error)

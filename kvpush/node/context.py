@@ -1,0 +1,96 @@
+"""What every part of a node is handed: a small frozen context, never its owner.
+
+A node is one TP rank's kvpush: its NIXL agent, its control server and its background
+threads (`kvpush.node.worker`). Each thread gets the `Context` below at start, so the
+parts depend on what they use - settings, identity, the transport, the handshake they
+send, where they report - and not on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpush.core.planning import KVLayout
+from kvpush.core.protocol import Hello
+from kvpush.node.config import KvpushConfig
+from kvpush.node.results import Results
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    engine_id: str
+    role: str  # "prefill" or "decode"
+    model: str
+    tp_rank: int
+    tp_size: int
+
+
+class Transfer(Protocol):
+    """A posted WRITE or READ (`kvpush.dataplane.transport.Transfer`)."""
+
+    what: str
+
+    def poll(self) -> bool: ...
+
+    def release(self) -> bool: ...
+
+
+class Transport(Protocol):
+    """The data plane a node moves KV with (`kvpush.dataplane.transport.NixlTransport`)."""
+
+    def add_peer(self, metadata: bytes, name: str | None = None) -> str: ...
+
+    def prepare_peer_blocks(
+        self,
+        peer: str,
+        local_blocks: list[tuple[int, int]],
+        remote_blocks: list[tuple[int, int]],
+        remote_mem: str | None = None,
+    ) -> None: ...
+
+    def write_blocks(
+        self, peer: str, local_idx: list[int], remote_idx: list[int], notif: bytes = b""
+    ) -> Transfer: ...
+
+    def read_blocks(
+        self, peer: str, local_idx: list[int], remote_idx: list[int], notif: bytes = b""
+    ) -> Transfer: ...
+
+    def write(
+        self,
+        peer: str,
+        src: list[tuple[int, int]],
+        dst: list[tuple[int, int]],
+        notif: bytes = b"",
+        remote_mem: str | None = None,
+    ) -> Transfer: ...
+
+    def read(
+        self,
+        peer: str,
+        src_remote: list[tuple[int, int]],
+        dst_local: list[tuple[int, int]],
+        notif: bytes = b"",
+        remote_mem: str | None = None,
+    ) -> Transfer: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """One node's settings, identity, transport, handshake and where its threads report."""
+
+    config: KvpushConfig
+    identity: Identity
+    transport: Transport
+    hello: Hello
+    results: Results
+
+    @property
+    def port(self) -> int:
+        """This rank's control port: the configured port plus the TP rank."""
+        return self.config.port + self.identity.tp_rank
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.hello.layout

@@ -1,0 +1,254 @@
+"""A node: one TP rank's kvpush - its NIXL agent, control server and background threads.
+
+The engine-loop hooks (`start_load_kv`, `get_finished`) only put specs on a queue and swap
+result sets: O(1) per request. Everything slow - handshakes, descriptor planning, posting
+and polling transfers, control messages - runs on the threads below:
+
+  control-server  (per node) blocks in select(); decodes control messages, answers
+                  handshakes and lease questions, routes the rest (`_routes`)
+  push-writer     (prefill, push) rendezvous of registrations with finished prefills; WRITEs
+  pull-leases     (prefill, pull) holds finished prefills' blocks until decode read them
+  push-receiver   (decode, push)  sends registrations, counts WriteDone per producer rank
+  pull-reader     (decode, pull)  READs from each producer rank, confirms, renews leases
+  handshakes      (per thread above) a small pool: first contact with a peer never delays
+                  transfers to peers already known
+  messages        (per thread above) a small pool for messages that may block on a peer
+
+Threading rules: each part's state belongs to its own thread, which takes work from its
+inbox; other threads only put items there. Two exceptions, both bounded: the writer sends
+a WRITE's `WriteDone` itself, right after the WRITE completed (the notification must not
+overtake nothing and must not queue behind slow peers' messages: it goes on the connection
+the WRITE's peer already has), and the lease keeper's state is shared under one lock with
+the control-server thread, which answers `ReadDone`/`LeaseRenew` on the spot (the answer
+says whether decode's READ was valid, so it cannot wait for a queue).
+
+Progress model: NIXL's own progress thread is off (it spins a core); transfers are
+initiator-driven (UCX with error handling "none"), so the initiator polls only while a
+transfer it posted is in flight, and completions travel as frames on the control channel.
+Idle, nothing spins.
+
+Nothing here imports vLLM: `kvpush.vllm` reads vLLM's KV cache into a `KVLayout` and calls
+`start`, so the node runs (and is tested) on any memory a `KVLayout` describes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpush.core.planning import KVLayout
+from kvpush.core.protocol import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Hello,
+    LeaseRenew,
+    Message,
+    ReadDone,
+    Registration,
+    WriteDone,
+    check_compatible,
+)
+from kvpush.dataplane.control import ControlServer
+from kvpush.dataplane.transport import NixlTransport
+from kvpush.node.config import KvpushConfig
+from kvpush.node.context import Context, Identity, Transport
+from kvpush.node.pull import LeaseKeeper
+from kvpush.node.push import PushWriter
+from kvpush.node.receiver import Receiver
+from kvpush.node.results import HookTimer, Results
+from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
+
+log = logging.getLogger("kvpush.worker")
+
+Part = PushWriter | LeaseKeeper | Receiver
+Route = Callable[[Any], Message | None]
+
+
+class WorkerSide:
+    """One TP rank's node; `start` it once vLLM's KV cache is allocated."""
+
+    def __init__(self, config: KvpushConfig, identity: Identity) -> None:
+        self.config = config
+        self.identity = identity
+        self.timer = HookTimer("worker")
+        self.results = Results()
+        self.transport: NixlTransport | None = None
+        self.server: ControlServer | None = None
+        self.ctx: Context | None = None
+        # Prefill: the writer (push) or the lease keeper (pull); decode: the receiver.
+        self.part: Part | None = None
+        self._routes: dict[type, Route] = {}
+        self._rejected_reported: dict[str, int] = {}
+
+    @property
+    def port(self) -> int:
+        return self.config.port + self.identity.tp_rank
+
+    def start(
+        self,
+        layout: KVLayout,
+        memory: Sequence[tuple[int, int]],
+        kv_dtype: str,
+        mem: str = "DRAM",
+        device: int = 0,
+        transport: Transport | None = None,
+    ) -> None:
+        """Register `memory` (where `layout` lies) with NIXL, start the part this role and
+        mode needs and the control server. `mem` is "VRAM" for GPU KV, so NIXL moves it
+        with GPUDirect where the backend can; `transport` replaces NIXL in tests."""
+        ident = self.identity
+        name = f"{ident.engine_id}-tp{ident.tp_rank}-{uuid.uuid4().hex[:8]}"
+        if transport is None:
+            self.transport = NixlTransport(name, self.config.backend)
+            self.transport.register_regions(list(memory), mem=mem, device=device)
+            transport = self.transport
+            metadata = self.transport.metadata()
+        else:
+            metadata = b""
+        hello = Hello(
+            version=PROTOCOL_VERSION,
+            engine_id=ident.engine_id,
+            role=ident.role,  # type: ignore[arg-type]
+            mode=self.config.mode,  # type: ignore[arg-type]
+            model=ident.model,
+            kv_dtype=kv_dtype,
+            tp_rank=ident.tp_rank,
+            tp_size=ident.tp_size,
+            layout=layout,
+            agent_name=name,
+            agent_metadata=metadata,
+            memory=tuple(memory),
+        )
+        self.ctx = ctx = Context(self.config, ident, transport, hello, self.results)
+        self.part = self._make_part(ctx)
+        self.part.start()
+        self.server = ControlServer(
+            self.config.host, self.port, self._on_message, secret=self.config.secret
+        )
+        self.server.start()
+        log.info(
+            "kvpush %s worker %d/%d: %d layers x %d blocks of %d tokens, %d of %d KV heads "
+            "(%s), control on %s:%d",
+            ident.role,
+            ident.tp_rank,
+            ident.tp_size,
+            layout.num_regions,
+            layout.scheduler_blocks,
+            layout.block_tokens,
+            layout.num_heads,
+            layout.total_heads,
+            kv_dtype,
+            self.config.host,
+            self.port,
+        )
+        if self.config.secret is None:
+            log.warning(
+                "kvpush control messages on %s:%d are not authenticated: anyone who can reach "
+                "the port can send them; set the same secret in KVPUSH_SECRET (or the variable "
+                "kv_connector_extra_config.secret_env names) on every prefill and decode",
+                self.config.host,
+                self.port,
+            )
+        if self.config.faults:
+            log.warning(
+                "kvpush test hooks enabled (KVPUSH_FAULTS): %s; never in production",
+                ", ".join(sorted(self.config.faults.enabled)),
+            )
+
+    def _make_part(self, ctx: Context) -> Part:
+        """The part this role and mode runs, and which messages go to it."""
+        self._routes = {Hello: self._answer_hello}
+        if self.identity.role == "decode":
+            receiver = Receiver(ctx)
+            self._routes |= dict.fromkeys((WriteDone, Cancel), receiver.enqueue)
+            return receiver
+        if self.config.mode == "pull":
+            keeper = LeaseKeeper(ctx)
+            self._routes |= dict.fromkeys((ReadDone, LeaseRenew), keeper.answer)
+            self._routes[Registration] = self._registration(keeper.enqueue)
+            return keeper
+        writer = PushWriter(ctx)
+        self._routes[Registration] = self._registration(writer.enqueue)
+        self._routes[Cancel] = writer.enqueue
+        return writer
+
+    def _registration(self, deliver: Route) -> Route:
+        """`deliver`, unless the test hook drop_registration loses this registration."""
+
+        def route(msg: Registration) -> Message | None:
+            if self.config.faults.fires("drop_registration", msg.transfer_id):
+                return None
+            return deliver(msg)
+
+        return route
+
+    def _on_message(self, msg: Message, peer: Any) -> Message | None:
+        """Runs on the control-server thread: route `msg` to the part that takes it.
+
+        A Registration reaching a pull-mode prefill goes to its lease keeper, which refuses
+        it naming both modes; any other message nobody takes is counted as rejected.
+        """
+        route = self._routes.get(type(msg))
+        if route is None:
+            self.results.count("rejected", f"unexpected_{type(msg).__name__}")
+            return None
+        return route(msg)
+
+    def _answer_hello(self, msg: Hello) -> Message:
+        """Our own Hello, even to an incompatible peer, so the peer's own check names the
+        mismatch too (e.g. both modes) and fails its requests."""
+        assert self.ctx is not None
+        problem = check_compatible(self.ctx.hello, msg)
+        if problem:
+            log.error("refusing handshake from %s: %s", msg.engine_id, problem)
+            self.results.count("failures", "incompatible_peer")
+        return self.ctx.hello
+
+    def start_load_kv(
+        self, recv: Sequence[RecvSpec], send: Sequence[SendSpec], aborted: Sequence[AbortSpec]
+    ) -> None:
+        """The engine loop's specs for this step, queued for the part (O(1) each)."""
+        with self.timer("start_load_kv"):
+            part = self.part
+            if part is None:
+                return
+            now = time.monotonic()
+            # prefill takes finished prefills, decode its allocations; both take aborts but
+            # a pull prefill, whose request that ended early granted no lease
+            for item in send if self.identity.role == "prefill" else recv:
+                part.inbox.put((item, now))
+            if not isinstance(part, LeaseKeeper):
+                for abort in aborted:
+                    part.inbox.put((abort, now))
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        with self.timer("get_finished"):
+            return self.results.take()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.results.take_load_errors()
+
+    def stats_data(self) -> dict[str, Any]:
+        data = self.results.take_data()
+        self.timer.drain(data)
+        if self.server is not None:
+            # The server keeps running totals; stats carry what is new since last time.
+            for kind, total in self.server.rejected.items():
+                new = total - self._rejected_reported.get(kind, 0)
+                if new:
+                    data["rejected"][kind] = data["rejected"].get(kind, 0) + new
+                    self._rejected_reported[kind] = total
+        if self.part is not None:
+            data["gauges"].update(self.part.gauges())
+        return data
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.part is not None:
+            self.part.stop()
+        if self.transport is not None:
+            self.transport.close()
