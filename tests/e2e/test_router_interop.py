@@ -142,16 +142,24 @@ class Routed:
         return scrape.total(metrics, SOURCES, source="external_kv_transfer")
 
 
+@pytest.fixture(scope="session")  # before the session's `reference`
+def vllm_router(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return install_router(tmp_path_factory.mktemp("router-venv"))
+
+
 @pytest.fixture(scope="module")
 def routed(
-    tiny_model: Path, reference: Reference, tmp_path_factory: pytest.TempPathFactory
+    vllm_router: Path,
+    tiny_model: Path,
+    reference: Reference,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Routed]:
-    # `reference` first: the single server must be gone before the pair starts.
+    # The router first, so that a wheelhouse without it fails at once; then `reference`:
+    # the single server must be gone before the pair starts.
     work = tmp_path_factory.mktemp("router")
-    binary = install_router(work / "venv")
     deployment = wait_ready(launch("kvpush-pull", tiny_model, work, port=PORT, kv_port=KV))
     try:
-        with running_router(binary, deployment, work / "vllm-router.log") as url:
+        with running_router(vllm_router, deployment, work / "vllm-router.log") as url:
             yield Routed(deployment, url, tiny_model)
     finally:
         deployment.stop()
