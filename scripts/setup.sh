@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=${KVPUSH_VENV:-.venv}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-stamp="$VENV/.kvpush-setup-$(cat requirements.lock pyproject.toml | sha1sum | cut -c1-12)"
+stamp="$VENV/.kvpush-setup-$(cat requirements.lock requirements-router.txt pyproject.toml | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then exit 0; fi
 echo "kvpush setup: installing into $VENV (first run takes a few minutes)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -24,6 +24,9 @@ pip install --no-deps -e .
 # of the build backend this venv has. Not installed here.
 setuptools=$("$VENV/bin/python" -c "import setuptools; print(setuptools.__version__)")
 pip download -d "$VENV/wheelhouse" -c requirements.lock ".[proxy]" "setuptools==$setuptools"
+# For tests/e2e/test_router_interop.py, which installs them into a venv of their own: the
+# third-party router it runs kvpush behind, pinned in requirements-router.txt.
+pip download -d "$VENV/wheelhouse" -c requirements.lock -r requirements-router.txt
 rm -f "$VENV"/.kvpush-setup-*
 touch "$stamp"
 echo "kvpush setup: done"
