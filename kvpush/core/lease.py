@@ -19,18 +19,25 @@ as `ReleaseBlocks` actions, each lease released exactly once. The rules it keeps
 - a `read_done` or `renew` may arrive *before* `hold`: vLLM's scheduler keeps a finished
   prefill's blocks from the moment it returns their coordinates, but tells its worker (and
   so this machine) only in the next engine step, while the coordinates race ahead to
-  decode. Such a transfer is neither leased nor ended; its blocks are held, so the answer
-  is "valid", and what decode said is kept (`_Early`, until `lease_s`) and applied when
-  `hold` comes. Tombstones outlive any lease and decode's transfer timeout by far, so an
-  unknown id really is an early one.
+  decode. Such a transfer is neither leased nor ended, and the answer is "not yet": decode
+  asks again. Only what this machine leased is ever confirmed, so neither a forged id nor a
+  grant of an earlier incarnation of this prefill passes for valid. A decode that gives up
+  before `hold` is remembered (`_Early`, until `lease_s`, at most `max_early`) so that
+  `hold` then releases at once.
+
+Each answer is a `Verdict`: "held" (the blocks were held up to now), "not_yet" (no lease
+yet: ask again) or "gone" (the lease ended or never was; the text says why).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvpush.core.deadlines import Deadlines
 from kvpush.core.rendezvous import LocalBlocks, ReleaseBlocks
+
+Verdict = Literal["held", "not_yet", "gone"]
 
 
 @dataclass(eq=False, slots=True)
@@ -55,14 +62,12 @@ class _Ended:
 
 @dataclass(eq=False, slots=True)
 class _Early:
-    """Decode's messages for a transfer whose `hold` has not arrived yet."""
+    """A decode that gave up on a transfer whose `hold` has not arrived yet."""
 
     transfer_id: str
     deadline: float
-    generation: int = -1
-    readers: int = 1
-    done: set[int] = field(default_factory=set)
-    failed: str | None = None
+    generation: int
+    failed: str
     alive: bool = True
 
 
@@ -75,22 +80,38 @@ class LeaseStats:
     expired: int = 0
     refused: int = 0
     stale: int = 0
-    early: int = 0
+    not_yet: int = 0
+    capped: int = 0  # early give-ups or tombstones dropped at their cap
 
 
 class Leases:
-    """Prefill-side leases of one TP rank, by transfer id."""
+    """Prefill-side leases of one TP rank, by transfer id.
 
-    def __init__(self, lease_s: float = 30.0, tombstone_s: float = 600.0) -> None:
-        if lease_s <= 0 or tombstone_s < 0:
-            raise ValueError("lease_s must be positive and tombstone_s non-negative")
+    `max_early` and `max_tombstones` cap the records of transfers that are not leased:
+    past them the oldest are dropped (counted in `stats.capped`), so no message stream can
+    grow this machine without bound; leases themselves are bounded by vLLM's blocks.
+    """
+
+    def __init__(
+        self,
+        lease_s: float = 30.0,
+        tombstone_s: float = 600.0,
+        max_early: int = 4096,
+        max_tombstones: int = 65536,
+    ) -> None:
+        if lease_s <= 0 or tombstone_s < 0 or max_early < 1 or max_tombstones < 1:
+            raise ValueError(
+                "lease_s must be positive, tombstone_s non-negative, the caps at least 1"
+            )
         self.lease_s = lease_s
         self.tombstone_s = tombstone_s
+        self.max_early = max_early
+        self.max_tombstones = max_tombstones
         self.stats = LeaseStats()
         self._leases: dict[str, _Lease] = {}
         self._held_blocks = 0
-        self._ended: dict[str, _Ended] = {}
-        self._early: dict[str, _Early] = {}
+        self._ended: dict[str, _Ended] = {}  # oldest first
+        self._early: dict[str, _Early] = {}  # oldest first
         self._deadlines: Deadlines[_Lease | _Ended | _Early] = Deadlines()
 
     @property
@@ -106,14 +127,15 @@ class Leases:
         return self._deadlines.next()
 
     def hold(self, local: LocalBlocks, now: float) -> list[ReleaseBlocks]:
-        """Lease `local` until `now + lease_s`; released at once if decode refused it."""
+        """Lease `local` until `now + lease_s`; released at once if decode refused it or
+        gave up already."""
         transfer_id = local.transfer_id
         if transfer_id in self._leases:
             raise ValueError(f"transfer {transfer_id} is already leased")
         ended = self._ended.get(transfer_id)
         if ended is not None and ended.refused:
             # the transfer ends now: its tombstone must last tombstone_s from here, or a
-            # late renewal would find no record and pass for one that came early
+            # late renewal would find no record and be told "not yet" instead of "gone"
             self._forget(transfer_id)
             self._bury(transfer_id, ended.reason, refused=True, now=now)
             return [ReleaseBlocks(local, ended.reason)]
@@ -128,28 +150,20 @@ class Leases:
         if early is None:
             return []
         early.alive = False
-        lease.generation, lease.done = early.generation, early.done
-        if early.failed is not None:
-            return [self._end(lease, f"decode gave up reading: {early.failed}", now)]
-        if len(lease.done) >= early.readers:
-            self.stats.read += 1
-            return [self._end(lease, "read by decode", now)]
-        return []
+        lease.generation = early.generation
+        return [self._end(lease, f"decode gave up reading: {early.failed}", now)]
 
-    def renew(self, transfer_id: str, generation: int, now: float) -> str | None:
-        """Extend the lease to `now + lease_s`; returns why not (None: renewed)."""
-        lease, problem = self._current(transfer_id, generation)
+    def renew(self, transfer_id: str, generation: int, now: float) -> tuple[Verdict, str]:
+        """Extend the lease to `now + lease_s`; the verdict, and why when not "held"."""
+        lease, verdict, problem = self._current(transfer_id, generation)
         if lease is None:
-            if self._is_early(transfer_id):
-                self._early_record(transfer_id, generation, now)
-                return None
-            return problem
+            return verdict, problem
         self.stats.renewed += 1
         lease.generation = generation
         if now + self.lease_s != lease.deadline:  # one heap entry per deadline
             lease.deadline = now + self.lease_s
             self._deadlines.add(lease)
-        return None
+        return "held", ""
 
     def read_done(
         self,
@@ -160,37 +174,31 @@ class Leases:
         ok: bool,
         error: str,
         now: float,
-    ) -> tuple[str | None, list[ReleaseBlocks]]:
+    ) -> tuple[Verdict, str, list[ReleaseBlocks]]:
         """Decode rank `reader`, one of `readers` reading this lease, finished (`ok`) or
         gave up; the lease ends when all have finished, or at once when one gave up.
 
-        Returns (problem, actions): problem is None when the blocks were held up to now,
-        i.e. what decode read is valid; otherwise it says why not.
+        The verdict is "held" when the blocks were held up to now, i.e. what decode read
+        is valid; "not_yet" when no lease exists yet (ask again); else "gone" and why.
         """
-        lease, problem = self._current(transfer_id, generation)
+        lease, verdict, problem = self._current(transfer_id, generation)
         if lease is None:
-            if not self._is_early(transfer_id):
-                return problem, []
-            early = self._early_record(transfer_id, generation, now)
-            early.readers = readers
-            if ok:
-                early.done.add(reader)
-            else:
-                early.failed = error
-            return None, []
+            if verdict == "not_yet" and not ok:
+                self._remember_give_up(transfer_id, generation, error, now)
+            return verdict, problem, []
         if generation > lease.generation:  # decode re-allocated: its ranks read again
             lease.generation = generation
             lease.done.clear()
         if ok:
             lease.done.add(reader)
             if len(lease.done) < readers:
-                return None, []
+                return "held", "", []
             self.stats.read += 1
             why = "read by decode"
         else:
             self.stats.read_failed += 1
             why = f"decode gave up reading: {error}"
-        return None, [self._end(lease, why, now)]
+        return "held", "", [self._end(lease, why, now)]
 
     def refuse(self, transfer_id: str, reason: str, now: float) -> list[ReleaseBlocks]:
         """Decode cannot read this transfer: release it now, or when it is held."""
@@ -222,40 +230,38 @@ class Leases:
                 del self._ended[record.transfer_id]
         return actions
 
-    def _is_early(self, transfer_id: str) -> bool:
-        return transfer_id not in self._leases and transfer_id not in self._ended
-
-    def _early_record(self, transfer_id: str, generation: int, now: float) -> _Early:
+    def _remember_give_up(self, transfer_id: str, generation: int, error: str, now: float) -> None:
         early = self._early.get(transfer_id)
         if early is None:
-            self.stats.early += 1
-            early = _Early(transfer_id, now + self.lease_s)
+            if len(self._early) >= self.max_early:
+                self.stats.capped += 1
+                oldest = next(iter(self._early))
+                self._early.pop(oldest).alive = False
+            early = _Early(transfer_id, now + self.lease_s, generation, error)
             self._early[transfer_id] = early
             self._deadlines.add(early)
-        if generation > early.generation:
-            early.generation, early.done, early.failed = generation, set(), None
-        return early
+        elif generation >= early.generation:
+            early.generation, early.failed = generation, error
 
-    def _current(self, transfer_id: str, generation: int) -> tuple[_Lease | None, str | None]:
+    def _current(
+        self, transfer_id: str, generation: int
+    ) -> tuple[_Lease | None, Verdict, str]:
         lease = self._leases.get(transfer_id)
         if lease is None:
             ended = self._ended.get(transfer_id)
             if ended is not None:
-                return (
-                    None,
-                    f"prefill no longer holds KV for transfer {transfer_id}: {ended.reason}",
-                )
-            return None, (
-                f"prefill holds no KV for transfer {transfer_id}: its lease ended long ago or "
-                "it was never granted; check that decode got this prefill's kv_transfer_params"
-            )
+                why = f"prefill no longer holds KV for transfer {transfer_id}: {ended.reason}"
+                return None, "gone", why
+            self.stats.not_yet += 1
+            why = f"prefill holds no lease for transfer {transfer_id} yet"
+            return None, "not_yet", why
         if generation < lease.generation:
             self.stats.stale += 1
-            return None, (
+            return None, "gone", (
                 f"generation {generation} of transfer {transfer_id} is stale: decode already "
                 f"uses generation {lease.generation}"
             )
-        return lease, None
+        return lease, "held", ""
 
     def _end(self, lease: _Lease, reason: str, now: float) -> ReleaseBlocks:
         lease.alive = False
@@ -265,6 +271,9 @@ class Leases:
         return ReleaseBlocks(lease.local, reason)
 
     def _bury(self, transfer_id: str, reason: str, refused: bool, now: float) -> None:
+        if len(self._ended) >= self.max_tombstones:
+            self.stats.capped += 1
+            self._forget(next(iter(self._ended)))
         ended = _Ended(transfer_id, reason, refused, now + self.tombstone_s)
         self._ended[transfer_id] = ended
         self._deadlines.add(ended)

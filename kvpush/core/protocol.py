@@ -195,7 +195,9 @@ class Hello:
     """Handshake: what one instance tells a peer about itself on first contact.
 
     `memory` lists the (base, length) ranges registered with NIXL; every KV region of
-    `layout` must lie inside one of them. Block size is `layout.block_size`.
+    `layout` must lie inside one of them. Block size is `layout.block_size`. `agent_name`
+    is unique per process: it names this incarnation of the rank. `host`:`port` is the
+    rank's control address, the only one a peer sends its notices to.
     """
 
     version: int = field(metadata=_wire(_int(0, 255)))
@@ -210,6 +212,9 @@ class Hello:
     agent_name: str = field(metadata=_ID)
     agent_metadata: bytes = field(metadata=_wire(_bytes))
     memory: tuple[tuple[int, int], ...] = field(metadata=_wire(_ranges))
+    # where this rank takes control messages (what the peer may send notices to)
+    host: str = field(default="", metadata=_wire(_str(255, empty=True)))
+    port: int = field(default=0, metadata=_wire(_int(0, 65535)))
 
     @property
     def block_size(self) -> int:
@@ -224,7 +229,12 @@ class Registration:
     `first_token` in its prefix cache, and `block_ids` begins with the block holding
     `first_token`. `generation` fences retries: decode bumps it each time it (re)allocates
     blocks for the transfer, and prefill writes only the newest. `deadline_ms` is how long
-    the registration stays valid after it is received.
+    the registration stays valid after it is received (prefill caps it at its own
+    transfer timeout).
+
+    A registration is valid only on the connection where its sender's `Hello` came, and
+    only for that incarnation: `agent_name`, `engine_id`, `tp_rank` and `host`:`port` must
+    be that Hello's. Prefill drops the registrations of a connection that closes.
     """
 
     transfer_id: str = field(metadata=_ID)
@@ -239,6 +249,7 @@ class Registration:
     generation: int = field(metadata=_GENERATION)
     deadline_ms: int = field(metadata=_wire(_int(0, 2**32 - 1)))
     first_token: int = field(default=0, metadata=_wire(_int(0, I63_MAX)))
+    agent_name: str = field(default="", metadata=_wire(_str(MAX_ID_LEN, empty=True)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +313,17 @@ class ReadDone:
     error: str = field(metadata=_TEXT)
 
 
-Message = Hello | Registration | WriteDone | Cancel | LeaseRenew | ReadDone
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Prefill -> decode (pull), the answer to a `ReadDone` or `LeaseRenew` for a transfer
+    prefill has not leased yet (its engine loop has not handed it over): ask again. Prefill
+    confirms only transfers it leased, so a READ is never taken as valid on trust."""
+
+    transfer_id: str = field(metadata=_ID)
+    generation: int = field(metadata=_GENERATION)
+
+
+Message = Hello | Registration | WriteDone | Cancel | LeaseRenew | ReadDone | Wait
 
 _TYPES: dict[int, type[Message]] = {
     1: Hello,
@@ -311,6 +332,7 @@ _TYPES: dict[int, type[Message]] = {
     4: Cancel,
     5: LeaseRenew,
     6: ReadDone,
+    7: Wait,
 }
 _CODES: dict[type[Message], int] = {cls: code for code, cls in _TYPES.items()}
 _FIELDS: dict[type[Message], tuple[Field[Any], ...]] = {cls: fields(cls) for cls in _CODES}
@@ -521,16 +543,24 @@ def _outside_memory(layout: KVLayout, memory: tuple[tuple[int, int], ...]) -> st
 
 
 def grant(
-    secret: bytes, engine_id: str, transfer_id: str, block_ids: tuple[int, ...], num_tokens: int
+    secret: bytes,
+    engine_id: str,
+    transfer_id: str,
+    block_ids: tuple[int, ...],
+    num_tokens: int,
+    tp_size: int,
 ) -> str:
     """Pull: prefill's signature over the blocks it leased for a transfer.
 
-    Prefill hands it out in `kv_transfer_params` with the block ids, which travel through
-    the router; decode checks it (`grant_ok`) before it READs, so coordinates forged or
-    altered on the way never make it read blocks prefill did not lease for that transfer.
+    Prefill hands it out in `kv_transfer_params` with everything a READ depends on (its
+    engine id, the blocks, how many tokens they hold, its TP size), which travel through
+    the router; decode checks it (`grant_ok`) before it READs, and checks that the prefill
+    it reaches is that engine, so coordinates forged or altered on the way never make it
+    read blocks prefill did not lease for that transfer. Prefill in turn confirms a READ
+    only for a lease it holds (a grant of an earlier incarnation finds none).
     """
     _check_secret(secret)
-    signed = msgpack.packb([engine_id, transfer_id, list(block_ids), num_tokens])
+    signed = msgpack.packb([engine_id, transfer_id, list(block_ids), num_tokens, tp_size])
     return hmac.digest(secret, b"kvpush-grant\0" + signed, hashlib.sha256).hex()
 
 
@@ -541,8 +571,9 @@ def grant_ok(
     transfer_id: str,
     block_ids: tuple[int, ...],
     num_tokens: int,
+    tp_size: int,
 ) -> bool:
-    expected = grant(secret, engine_id, transfer_id, block_ids, num_tokens)
+    expected = grant(secret, engine_id, transfer_id, block_ids, num_tokens, tp_size)
     return hmac.compare_digest(token.encode(), expected.encode())
 
 

@@ -206,6 +206,8 @@ class RendezvousStats:
     writes_failed: int = 0
     expired_leases: int = 0
     cancels: int = 0
+    capped_registrations: int = 0  # refused: `max_waiting` registrations waited already
+    dropped_tombstones: int = 0  # forgotten early: `max_tombstones` were remembered
 
 
 class Rendezvous:
@@ -215,17 +217,34 @@ class Rendezvous:
     when exactly one candidate waits (an ambiguous base id is never guessed; it waits for
     an exact match or its deadline). `lease_s` bounds how long finished blocks wait for a
     registration; `tombstone_s` how long an ended transfer is remembered.
+
+    Nothing a peer sends grows it without bound: a registration's deadline is capped at
+    `max_wait_s` (prefill's own transfer timeout), at most `max_waiting` registrations
+    wait for their prefill (more are refused, saying so), and past `max_tombstones` the
+    oldest tombstone is forgotten; both are counted in `stats`.
     """
 
     def __init__(
-        self, tp_rank: int = 0, tp_size: int = 1, lease_s: float = 30.0, tombstone_s: float = 60.0
+        self,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        lease_s: float = 30.0,
+        tombstone_s: float = 60.0,
+        max_wait_s: float = math.inf,
+        max_waiting: int = 4096,
+        max_tombstones: int = 65536,
     ) -> None:
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
+        if max_wait_s <= 0 or max_waiting < 1 or max_tombstones < 1:
+            raise ValueError("max_wait_s must be positive and the caps at least 1")
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.lease_s = lease_s
         self.tombstone_s = tombstone_s
+        self.max_wait_s = max_wait_s
+        self.max_waiting = max_waiting
+        self.max_tombstones = max_tombstones
         self.stats = RendezvousStats()
         self._waiting: _Index[_Waiting] = _Index()
         self._finished: _Index[_Finished] = _Index()
@@ -442,8 +461,15 @@ class Rendezvous:
         )
         if finished is not None:
             self._finished.remove(finished)
-            return self._start(finished.local, reg, now + reg.deadline_ms / 1000)
-        waiting = _Waiting(reg, now + reg.deadline_ms / 1000)
+            return self._start(finished.local, reg, now + self._wait_s(reg))
+        if len(self._waiting) >= self.max_waiting:
+            self.stats.capped_registrations += 1
+            why = (
+                f"prefill has {len(self._waiting)} registrations waiting for their prefill, "
+                f"its cap: this one is refused; the router sends more than prefill serves"
+            )
+            return self._refuse(reg, why)
+        waiting = _Waiting(reg, now + self._wait_s(reg))
         self._waiting.add(waiting, [reg.transfer_id], [reg.request_id])
         self._deadlines.add(waiting)
         return []
@@ -477,7 +503,7 @@ class Rendezvous:
             actions.append(
                 DropRegistration(queued.reg, f"superseded by generation {reg.generation}")
             )
-        writing.queued = _Waiting(reg, now + reg.deadline_ms / 1000, behind=writing)
+        writing.queued = _Waiting(reg, now + self._wait_s(reg), behind=writing)
         self._deadlines.add(writing.queued)
         return actions
 
@@ -488,13 +514,13 @@ class Rendezvous:
             self._unqueue(waiting.behind)
             why = (
                 f"generation {reg.generation} of transfer {reg.transfer_id} waited "
-                f"{reg.deadline_ms} ms for the write of an older generation to finish"
+                f"{self._wait_s(reg):g} s for the write of an older generation to finish"
             )
         else:
             self._waiting.remove(waiting)
             why = (
-                f"no prefill result for transfer {reg.transfer_id} within {reg.deadline_ms} "
-                "ms of registration; check that the router sent the request to this prefill "
+                f"no prefill result for transfer {reg.transfer_id} within {self._wait_s(reg):g} "
+                "s of registration; check that the router sent the request to this prefill "
                 "instance and that it is not overloaded"
             )
             self._bury([reg.transfer_id], reg.generation, False, why, now)
@@ -533,9 +559,16 @@ class Rendezvous:
                 generation = max(generation, old.generation)
                 kv_released = kv_released or old.kv_released
                 self._gone.remove(old)
+        if len(self._gone) >= self.max_tombstones:
+            self.stats.dropped_tombstones += 1
+            self._gone.remove(next(iter(self._gone)))  # the oldest
         gone = _Gone(generation, kv_released, reason, now + self.tombstone_s)
         self._gone.add(gone, sorted(keys), [])
         self._deadlines.add(gone)
+
+    def _wait_s(self, reg: Registration) -> float:
+        """How long `reg` stays valid here: what decode asked, at most `max_wait_s`."""
+        return min(reg.deadline_ms / 1000, self.max_wait_s)
 
     def _stale(self) -> list[Action]:
         self.stats.stale_registrations += 1

@@ -113,6 +113,7 @@ class ControlServer:
         secret: bytes | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         max_connections: int = 1024,
+        on_close: Callable[[Peer], None] | None = None,
     ) -> None:
         _check_secret(secret)
         if max_frame <= 0:
@@ -120,6 +121,8 @@ class ControlServer:
         self.host = host
         self._port = port
         self.handler = handler
+        # told (on the server thread) when a connection closes, whoever closed it
+        self.on_close = on_close
         self.secret = secret
         self.max_frame = max_frame
         self.max_connections = max_connections
@@ -354,6 +357,11 @@ class ControlServer:
             return
         self._selector.unregister(conn.sock)
         conn.sock.close()
+        if self.on_close is not None:
+            try:
+                self.on_close(conn.peer)
+            except Exception:
+                log.exception("control server on port %d: on_close failed", self._port)
 
     def _count(self, kind: str) -> None:
         counts = dict(self.rejected)
@@ -398,9 +406,7 @@ class ControlClient:
         if not self._lock.acquire(blocking=False):
             return True
         try:
-            if self._sock is None or self.connection != connection:
-                return False
-            return not self._closed_by_peer(self._sock)
+            return self._is_open(connection)
         finally:
             self._lock.release()
 
@@ -440,10 +446,20 @@ class ControlClient:
                         ) from exc
         raise AssertionError("unreachable")
 
-    def send(self, msg: Message) -> None:
-        """Send `msg` without waiting for a reply (errors as for `request`)."""
+    def send(self, msg: Message, connection: int | None = None) -> None:
+        """Send `msg` without waiting for a reply (errors as for `request`).
+
+        With `connection` (a `.connection` number), only on that connection: a message
+        bound to the handshake made on it raises `ConnectionError` rather than going out
+        on a new one.
+        """
         with self._lock:
             for attempt in range(2):
+                if connection is not None and not self._is_open(connection):
+                    raise ConnectionError(
+                        f"the control connection to {self.address} that carried the "
+                        f"handshake is gone; {type(msg).__name__} needs a new handshake"
+                    )
                 sock = self._connected()
                 try:
                     sock.settimeout(self.timeout)
@@ -459,6 +475,13 @@ class ControlClient:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+    def _is_open(self, connection: int) -> bool:
+        return (
+            self._sock is not None
+            and self.connection == connection
+            and not self._closed_by_peer(self._sock)
+        )
 
     def __enter__(self) -> ControlClient:
         return self

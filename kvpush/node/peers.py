@@ -54,6 +54,9 @@ class RemoteRank(Generic[J]):
     host: str
     port: int
     client: ControlClient
+    # push prefill: the Hello the peer sent on its own connection to us, taken as its
+    # handshake (we never dial an address a message names to learn a peer)
+    offered: Hello | None = None
     hello: Hello | None = None
     connection: int = 0  # the client's connection the handshake went over
     agent: str = ""
@@ -81,11 +84,21 @@ class Peers(Generic[J]):
     """
 
     def __init__(
-        self, ctx: Context, inbox: queue.Queue[tuple[object, float]], peer_role: str
+        self,
+        ctx: Context,
+        inbox: queue.Queue[tuple[object, float]],
+        peer_role: str,
+        load_agents: bool = True,
+        max_peers: int = 1024,
     ) -> None:
         self.ctx = ctx
+        # more remote ranks than this and the oldest is forgotten (handshaken again if
+        # it comes back): no stream of peer addresses grows a worker without bound
+        self.max_peers = max_peers
         self.inbox = inbox
         self.peer_role = peer_role
+        # whether handshakes load the peer's NIXL agent (not where we never move KV)
+        self.load_agents = load_agents
         self.peers: dict[tuple[str, int], RemoteRank[J]] = {}
         self.handshakes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-handshake")
         self.messages = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-message")
@@ -94,6 +107,8 @@ class Peers(Generic[J]):
         """The peer at host:port; a fresh one (handshake pending) if it restarted."""
         key = (host, port)
         peer = self.peers.get(key)
+        if peer is not None and peer.offered is not None:
+            return peer  # it handshook with us; a restart brings a new Hello (`adopt`)
         if peer is not None and peer.hello is not None and not peer.client.alive(peer.connection):
             log.warning(
                 "%s %s: the control connection of our handshake is gone (it exited or "
@@ -104,8 +119,32 @@ class Peers(Generic[J]):
             peer.client.close()
             peer = None
         if peer is None:
+            self._make_room()
             client = ControlClient(host, port, secret=self.ctx.config.secret, timeout=5.0)
             peer = self.peers[key] = RemoteRank(host, port, client)
+        return peer
+
+    def _make_room(self) -> None:
+        if len(self.peers) >= self.max_peers:
+            key = next(iter(self.peers))
+            log.info("%s %s: forgotten, %d peers known", self.peer_role, self.peers[key],
+                     len(self.peers))  # fmt: skip
+            self.peers.pop(key).client.close()
+
+    def adopt(self, hello: Hello) -> RemoteRank[J]:
+        """The peer that sent `hello` on its own connection to us, with that Hello as its
+        handshake; a new incarnation (another agent name) replaces the old one."""
+        key = (hello.host, hello.port)
+        peer = self.peers.get(key)
+        known = peer.offered if peer is not None else None
+        if peer is not None and (known is None or known.agent_name != hello.agent_name):
+            log.info("%s %s: a new incarnation (%s)", self.peer_role, peer, hello.agent_name)
+            peer.client.close()
+            peer = None
+        if peer is None:
+            self._make_room()
+            client = ControlClient(hello.host, hello.port, secret=self.ctx.config.secret)
+            peer = self.peers[key] = RemoteRank(hello.host, hello.port, client, hello)
         return peer
 
     def when_ready(self, peer: RemoteRank[J], job: J) -> bool:
@@ -160,21 +199,26 @@ class Peers(Generic[J]):
         """Pool thread: learn the peer's layout and NIXL agent, then hand back."""
         ctx = self.ctx
         try:
-            remote = peer.client.request(ctx.hello, timeout=10.0)
+            remote = peer.offered or peer.client.request(ctx.hello, timeout=10.0)
+            peer.connection = peer.client.connection
             if not isinstance(remote, Hello):
                 raise ConnectionError(f"expected a Hello, got {type(remote).__name__}")
             problem = check_compatible(ctx.hello, remote)
             if problem:
                 peer.error_kind = "incompatible_peer"
                 raise ConnectionError(f"incompatible peer {remote.engine_id}: {problem}")
-            agent = ctx.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
-            same = same_shape(ctx.layout, remote.layout) and remote.tp_size == ctx.identity.tp_size
-            if same:
-                ctx.transport.prepare_peer_blocks(
-                    agent, block_pieces(ctx.layout), block_pieces(remote.layout)
+            if self.load_agents:
+                agent = ctx.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
+                same = (
+                    same_shape(ctx.layout, remote.layout)
+                    and remote.tp_size == ctx.identity.tp_size
                 )
-            peer.agent, peer.same_shape, peer.hello = agent, same, remote
-            peer.connection = peer.client.connection
+                if same:
+                    ctx.transport.prepare_peer_blocks(
+                        agent, block_pieces(ctx.layout), block_pieces(remote.layout)
+                    )
+                peer.agent, peer.same_shape = agent, same
+            peer.hello = remote
         except Exception as exc:  # any failure here fails this peer's transfers, clearly
             peer.error_kind = peer.error_kind or "handshake_failed"
             peer.error = f"handshake with {self.peer_role} {peer} failed: {exc}"
@@ -373,10 +417,12 @@ class InFlight(Generic[J]):
 class PeerLoop(Loop, Generic[J]):
     """A worker thread that talks to peers of `peer_role` and drives the transfers it posts."""
 
-    def __init__(self, ctx: Context, name: str, peer_role: str) -> None:
+    def __init__(
+        self, ctx: Context, name: str, peer_role: str, load_agents: bool = True
+    ) -> None:
         super().__init__(ctx.results, name)
         self.ctx = ctx
-        self.peers: Peers[J] = Peers(ctx, self.inbox, peer_role)
+        self.peers: Peers[J] = Peers(ctx, self.inbox, peer_role, load_agents)
         self.inflight: InFlight[J] = InFlight()
 
     def stop(self) -> None:

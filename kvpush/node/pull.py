@@ -22,10 +22,12 @@ from kvpush.core.protocol import (
     LeaseRenew,
     ReadDone,
     Registration,
+    Wait,
     WriteDone,
 )
 from kvpush.core.rendezvous import LocalBlocks, ReleaseBlocks
 from kvpush.node.context import Context
+from kvpush.node.inbox import Registered
 from kvpush.node.peers import PeerLoop
 from kvpush.node.specs import SendSpec
 
@@ -45,6 +47,7 @@ class LeaseKeeper(PeerLoop[None]):
             return {
                 "prefill_leases": self.leases.active,
                 "prefill_held_blocks": self.leases.held_blocks,
+                "prefill_dropped_lease_records": self.leases.stats.capped,
             }
 
     def next_deadline(self) -> float | None:
@@ -62,8 +65,9 @@ class LeaseKeeper(PeerLoop[None]):
             log.warning("lease of transfer %s ended: %s", release.local.transfer_id, release.reason)
         self._release(expired)
 
-    def answer(self, msg: ReadDone | LeaseRenew) -> ReadDone | LeaseRenew | Cancel:
-        """Control-server thread: apply `msg`; echo it if the blocks were held, else Cancel."""
+    def answer(self, msg: ReadDone | LeaseRenew) -> ReadDone | LeaseRenew | Cancel | Wait:
+        """Control-server thread: apply `msg`; echo it if the blocks were held, `Wait` if
+        no lease exists yet (decode asks again), else a `Cancel` saying why."""
         ident = self.ctx.identity
         now = time.monotonic()
         with self.lock:
@@ -71,14 +75,17 @@ class LeaseKeeper(PeerLoop[None]):
             if isinstance(msg, ReadDone):
                 total = self.ctx.layout.total_heads
                 readers = len(destinations(ident.tp_rank, ident.tp_size, msg.tp_size, total))
-                problem, released = self.leases.read_done(
+                verdict, problem, released = self.leases.read_done(
                     msg.transfer_id, msg.generation, msg.tp_rank, readers, msg.ok, msg.error, now
                 )
             else:
-                problem, released = self.leases.renew(msg.transfer_id, msg.generation, now), []
+                verdict, problem = self.leases.renew(msg.transfer_id, msg.generation, now)
+                released = []
         self._release(released)
-        if problem is None:
+        if verdict == "held":
             return msg
+        if verdict == "not_yet":
+            return Wait(msg.transfer_id, msg.generation)
         log.warning("%s from decode refused: %s", type(msg).__name__, problem)
         return Cancel(msg.transfer_id, msg.generation, problem[:MAX_TEXT_LEN])
 
@@ -98,19 +105,19 @@ class LeaseKeeper(PeerLoop[None]):
         if isinstance(item, SendSpec):
             local = LocalBlocks(item.transfer_id, item.request_id, item.block_ids, item.num_tokens)
             self._release(self.leases.hold(local, now))
-        elif isinstance(item, Registration):
-            self._refuse(item, now)
+        elif isinstance(item, Registered):
+            self._refuse(item.registration, now)
 
     def _refuse(self, reg: Registration, now: float) -> None:
-        """A push-mode decode registered blocks: refuse clearly, and free ours at once."""
+        """A push-mode decode registered blocks: refuse clearly, and free ours at once (its
+        address is the one its Hello on the same connection gave)."""
         ident = self.ctx.identity
         why = (
             f"mode mismatch: decode {reg.engine_id} ({reg.host}:{reg.port}) runs kvpush in push "
             f"mode (it sent a Registration), prefill {ident.engine_id} in pull mode; set the "
             "same kv_connector_extra_config.mode on prefill and decode, and the same proxy --mode"
         )
-        log.error("refusing transfer %s: %s", reg.transfer_id, why)
-        self.results.count("failures", "incompatible_peer")
+        log.error("refusing transfer %s: %s", reg.transfer_id, why)  # counted at handshake
         self._release(self.leases.refuse(reg.transfer_id, why, now))
         refusal = WriteDone(
             reg.transfer_id, reg.generation, ident.tp_rank, ident.tp_size, False, why

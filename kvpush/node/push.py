@@ -25,6 +25,7 @@ from kvpush.core.rendezvous import (
 )
 from kvpush.dataplane.transport import TransferError
 from kvpush.node.context import Context
+from kvpush.node.inbox import ConnectionClosed, Registered
 from kvpush.node.peers import Moving, PeerLoop, PeerReady, RemoteRank
 from kvpush.node.specs import AbortSpec, SendSpec
 
@@ -37,8 +38,16 @@ class PushWriter(PeerLoop[StartWrite]):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx, "kvpush-push-writer", "decode")
         ident = ctx.identity
-        self.rendezvous = Rendezvous(ident.tp_rank, ident.tp_size, lease_s=ctx.config.lease_s)
+        self.rendezvous = Rendezvous(
+            ident.tp_rank,
+            ident.tp_size,
+            lease_s=ctx.config.lease_s,
+            max_wait_s=ctx.config.transfer_timeout_s,
+        )
         self.registered_at: dict[tuple[str, int], float] = {}
+        # transfer id -> (connection, generation) of its newest registration, to void what
+        # a connection registered when it closes (its decode exited or restarted)
+        self._sources: dict[str, tuple[int, int]] = {}
         self._held: set[str] = set()  # test hook hold_prefill: transfers already held
         self._counted = dict.fromkeys(_FAILURE_STATS, 0)
 
@@ -49,6 +58,8 @@ class PushWriter(PeerLoop[StartWrite]):
             "prefill_waiting_prefills": r.waiting_prefills,
             "prefill_held_blocks": r.held_blocks,
             "prefill_writes_in_flight": r.writes_in_flight,
+            "prefill_tombstones": r.tombstones,
+            "prefill_dropped_tombstones": r.stats.dropped_tombstones,
         }
 
     def next_deadline(self) -> float | None:
@@ -57,9 +68,14 @@ class PushWriter(PeerLoop[StartWrite]):
     def handle(self, item: object, at: float) -> None:
         now = time.monotonic()
         self.act(self.rendezvous.expire(now))  # nothing past its deadline pairs up
-        if isinstance(item, Registration):
-            self._note_arrival(item, at)
-            self.act(self.rendezvous.register(item, now))
+        if isinstance(item, Registered):
+            reg = item.registration
+            self._note_arrival(reg, at)
+            self.peers.adopt(item.hello)
+            self._sources[reg.transfer_id] = (item.connection, reg.generation)
+            self.act(self.rendezvous.register(reg, now))
+        elif isinstance(item, ConnectionClosed):
+            self._connection_closed(item, now)
         elif isinstance(item, SendSpec):
             hold = self.ctx.config.faults.seconds("hold_prefill", item.transfer_id)
             if hold and item.transfer_id not in self._held:
@@ -97,6 +113,22 @@ class PushWriter(PeerLoop[StartWrite]):
             self._finish(moving, error, now)
         self.act(self.rendezvous.expire(now))
 
+    def _connection_closed(self, closed: ConnectionClosed, now: float) -> None:
+        """Void every registration that came on the closed connection: no WRITE of them
+        may land in the blocks of the decode's next incarnation."""
+        why = (
+            f"decode {closed.hello.engine_id} rank {closed.hello.tp_rank} closed its control "
+            "connection (it exited or restarted)"
+        )
+        for transfer_id, (connection, generation) in list(self._sources.items()):
+            if connection == closed.connection:
+                del self._sources[transfer_id]
+                self.act(self.rendezvous.cancel(transfer_id, generation, why, now))
+
+    def _forget_source(self, reg: Registration) -> None:
+        if self._sources.get(reg.transfer_id, (0, -1))[1] == reg.generation:
+            del self._sources[reg.transfer_id]
+
     def _note_arrival(self, reg: Registration, at: float) -> None:
         """Remember when `reg` arrived, for the registration-to-write metric. Arrivals are
         in time order, so the oldest go first: a registration never written (dropped,
@@ -117,6 +149,7 @@ class PushWriter(PeerLoop[StartWrite]):
             elif isinstance(action, NotifyFailure):
                 self.peers.notify(action.host, action.port, action.message)
             elif isinstance(action, DropRegistration):
+                self._forget_source(action.registration)
                 log.info(
                     "dropped registration %s: %s", action.registration.transfer_id, action.reason
                 )
@@ -133,8 +166,11 @@ class PushWriter(PeerLoop[StartWrite]):
 
     def _start(self, start: StartWrite) -> None:
         reg = start.registration
-        peer = self.peers.get(reg.host, reg.port)
-        if peer.error:
+        peer = self.peers.peers.get((reg.host, reg.port))
+        if peer is None or peer.offered is None or peer.offered.agent_name != reg.agent_name:
+            why = "decode restarted since it registered (another incarnation answers there)"
+            self._fail_start(start, why, "peer_gone")
+        elif peer.error:
             self._fail_start(start, peer.error, peer.error_kind or "handshake_failed")
         elif self.peers.when_ready(peer, start):
             self._post(start, peer)
@@ -170,6 +206,7 @@ class PushWriter(PeerLoop[StartWrite]):
 
     def _fail_start(self, start: StartWrite, error: str, kind: str = "write_failed") -> None:
         reg = start.registration
+        self._forget_source(reg)
         self.results.count("failures", kind)
         log.warning("transfer %s to %s failed: %s", reg.transfer_id, reg.engine_id, error)
         self.act(
@@ -186,6 +223,7 @@ class PushWriter(PeerLoop[StartWrite]):
             self._fail_start(start, error, kind)
             return
         self.results.observe(write_s=now - moving.posted, bytes=float(moving.nbytes))
+        self._forget_source(reg)
         ident = self.ctx.identity
         done = WriteDone(reg.transfer_id, reg.generation, ident.tp_rank, ident.tp_size, True, "")
         try:
@@ -201,6 +239,7 @@ _FAILURE_STATS = {
     "expired_registrations": "registration_expired",
     "expired_leases": "lease_expired",
     "refused_registrations": "registration_refused",
+    "capped_registrations": "registration_capped",
 }
 
 

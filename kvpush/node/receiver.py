@@ -33,6 +33,7 @@ from kvpush.core.protocol import (
     ProtocolError,
     ReadDone,
     Registration,
+    Wait,
     WriteDone,
     grant_ok,
 )
@@ -46,6 +47,7 @@ log = logging.getLogger("kvpush.worker")
 
 _ALL_GENERATIONS = 2**62
 WATCH_S = 0.5  # how often prefill ranks with transfers pending are checked for liveness
+ASK_AGAIN_S = 0.02  # pull: how soon to ask a prefill again that has no lease yet
 
 
 @dataclass(eq=False, slots=True)
@@ -60,11 +62,14 @@ class _Expecting:
     # Producer rank -> the control connection (`ControlClient.connection`) that carried
     # this transfer to it; the liveness watch judges only that connection.
     connections: dict[int, int] = field(default_factory=dict)
+    # push: the producer ranks a registration was handed to (only they can write)
+    registered: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
-class _Read:
-    """Pull: one READ of a transfer from one producer (prefill) rank."""
+class _ForRank:
+    """A transfer's work with one producer (prefill) rank, waiting for the handshake with
+    it: its registration (push) or its READ (pull)."""
 
     spec: RecvSpec
     rank: int
@@ -72,15 +77,30 @@ class _Read:
 
 @dataclass(frozen=True, slots=True)
 class _Answered:
-    """Pull: prefill's answer to a ReadDone (`confirms_read`) or a LeaseRenew.
+    """Pull: prefill's answer to `asked`, a ReadDone or a LeaseRenew.
 
     An empty `problem` means prefill held the blocks: the READ's bytes are valid, or the
-    lease was extended."""
+    lease was extended; `wait` means prefill has no lease yet and is to be asked again."""
 
     spec: RecvSpec
     rank: int
-    confirms_read: bool
+    asked: Message
     problem: str
+    wait: bool = False
+
+    @property
+    def confirms_read(self) -> bool:
+        return isinstance(self.asked, ReadDone)
+
+
+@dataclass(frozen=True, slots=True)
+class _AskAgain:
+    """Pull: send `msg` to producer rank `rank` again (it answered `Wait`)."""
+
+    spec: RecvSpec
+    rank: int
+    client: ControlClient
+    msg: Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +114,14 @@ class _NotSent:
     gone: bool
 
 
-class Receiver(PeerLoop[_Read]):
+class Receiver(PeerLoop[_ForRank]):
     """Decode: one per worker; push registers and waits, pull reads."""
 
     def __init__(self, ctx: Context) -> None:
         self.pull = ctx.config.mode == "pull"
         name = "kvpush-pull-reader" if self.pull else "kvpush-push-receiver"
-        super().__init__(ctx, name, "prefill")
+        # push moves no KV from here: its handshakes need no prefill NIXL agent
+        super().__init__(ctx, name, "prefill", load_agents=self.pull)
         self.arrivals = Arrivals(ctx.config.fence_s)
         self.expecting: dict[str, _Expecting] = {}
         self.renewals: Deadlines[_Expecting] = Deadlines()
@@ -137,18 +158,20 @@ class Receiver(PeerLoop[_Read]):
             kind = "peer_gone" if item.gone else "peer_unreachable"
             self._outcomes(self.arrivals.fail(spec.transfer_id, item.why, kind, now))
         elif isinstance(item, PeerReady):
-            peer = item.peer
-            for read in self.peers.ready(peer):
-                if peer.error:
-                    self._read_failed(read, peer.error, peer.error_kind or "handshake_failed")
-                else:
-                    self._post_read(read, peer)
+            self._handshook(item.peer)
         elif isinstance(item, _Answered):
-            if item.problem:
+            if item.wait:
+                spec = item.spec
+                if self._current(spec):
+                    client = self._client(spec.prefill_host, spec.prefill_port + item.rank)
+                    self.later(_AskAgain(spec, item.rank, client, item.asked), at, ASK_AGAIN_S)
+            elif item.problem:
                 why = f"prefill rank {item.rank} no longer holds the KV: {item.problem}"
                 self._producer_done(item.spec, item.rank, False, why, "lease_lost")
             elif item.confirms_read:
                 self._producer_done(item.spec, item.rank, True, "")
+        elif isinstance(item, _AskAgain) and self._current(item.spec):
+            self.peers.submit(self._ask, item.spec, item.rank, item.client, item.msg)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -175,13 +198,28 @@ class Receiver(PeerLoop[_Read]):
         if self.pull:
             expecting.deadline = now + self.ctx.config.lease_s / 2
             self.renewals.add(expecting)
-            for rank in producers:
-                peer = self.peers.get(spec.prefill_host, spec.prefill_port + rank)
-                read = _Read(spec, rank)
-                if self.peers.when_ready(peer, read):
-                    self._post_read(read, peer)
+        for rank in producers:
+            peer = self.peers.get(spec.prefill_host, spec.prefill_port + rank)
+            job = _ForRank(spec, rank)
+            if self.peers.when_ready(peer, job):
+                self._go(job, peer)
+
+    def _go(self, job: _ForRank, peer: RemoteRank[_ForRank]) -> None:
+        """Handshaken with the job's rank: READ (pull), or register (push)."""
+        if self.pull:
+            self._post_read(job, peer)
         else:
-            self._register(spec, producers)
+            self._register(job, peer)
+
+    def _handshook(self, peer: RemoteRank[_ForRank]) -> None:
+        for job in self.peers.ready(peer):
+            if not peer.error:
+                self._go(job, peer)
+                continue
+            if not self.pull and peer.error_kind == "incompatible_peer" and peer.connection:
+                # a pull-mode prefill takes the registration as the sign to free its KV
+                self._register(job, peer)
+            self._read_failed(job, peer.error, peer.error_kind or "handshake_failed")
 
     def _producers(self, prefill_tp: int) -> tuple[int, ...]:
         """The prefill ranks that send this rank its KV heads."""
@@ -235,7 +273,14 @@ class Receiver(PeerLoop[_Read]):
             self.ctx.port,
         )
         for rank in failed.unsettled:
-            self.peers.submit(self._send, expecting, rank, cancel)
+            peer = self.peers.peers.get((spec.prefill_host, spec.prefill_port + rank))
+            if rank not in expecting.registered:
+                # never asked to write, so it cannot; but it may hold KV for us: free it
+                self._outcomes(self.arrivals.settle(spec.transfer_id, spec.generation, rank))
+                release = Cancel(spec.transfer_id, _ALL_GENERATIONS, failed.reason[:MAX_TEXT_LEN])
+                self.peers.notify(spec.prefill_host, spec.prefill_port + rank, release)
+            elif peer is not None and peer.hello is not None:
+                self.peers.submit(self._send, expecting, rank, cancel, peer)
 
     def _abort(self, item: AbortSpec, now: float) -> None:
         """The request ended while waiting for its KV. vLLM frees its blocks once we report
@@ -285,12 +330,22 @@ class Receiver(PeerLoop[_Read]):
                     self._outcomes(self.arrivals.fail(spec.transfer_id, why, "peer_gone", now))
                     break
 
-    def _send(self, expecting: _Expecting, rank: int, msg: Message) -> None:
-        """Pool thread: send a Registration or Cancel to producer rank `rank`."""
+    def _send(
+        self, expecting: _Expecting, rank: int, msg: Message, peer: RemoteRank[_ForRank]
+    ) -> None:
+        """Pool thread: send a Registration or Cancel to producer rank `rank`, on the
+        connection our handshake with it went over (prefill binds them to that Hello)."""
         spec = expecting.spec
-        client = self._client(spec.prefill_host, spec.prefill_port + rank)
         try:
-            client.send(msg)
+            try:
+                peer.client.send(msg, connection=peer.connection)
+            except ConnectionError:
+                if not isinstance(msg, Cancel):
+                    raise
+                # The handshake's connection is gone: prefill voided what came on it, but a
+                # WRITE in flight may still land. Sent on a new connection the cancel is
+                # applied unacknowledged (the fence waits); refused, nothing runs there.
+                peer.client.send(msg)
         except (ConnectionError, OSError) as exc:
             gone = isinstance(exc, Unreachable)
             why = f"cannot send {type(msg).__name__} to prefill rank {rank}: {exc}"
@@ -299,14 +354,18 @@ class Receiver(PeerLoop[_Read]):
             self.inbox.put((_NotSent(spec, rank, why, gone), time.monotonic()))
             return
         if isinstance(msg, Registration):
-            expecting.connections[rank] = client.connection
+            expecting.connections[rank] = peer.connection
 
     def _client(self, host: str, port: int) -> ControlClient:
         return self.peers.get(host, port).client
 
     # Push
 
-    def _register(self, spec: RecvSpec, producers: tuple[int, ...]) -> None:
+    def _register(self, job: _ForRank, peer: RemoteRank[_ForRank]) -> None:
+        spec = job.spec
+        expecting = self.expecting.get(spec.transfer_id)
+        if expecting is None or not self._current(spec):
+            return  # ended (aborted, failed, timed out) while the handshake ran
         ctx = self.ctx
         ident = ctx.identity
         reg = Registration(
@@ -322,17 +381,17 @@ class Receiver(PeerLoop[_Read]):
             generation=spec.generation,
             deadline_ms=int(ctx.config.transfer_timeout_s * 1000),
             first_token=spec.first_token,
+            agent_name=ctx.hello.agent_name,
         )
-        expecting = self.expecting[spec.transfer_id]
-        for rank in producers:
-            self.peers.submit(self._send, expecting, rank, reg)
+        expecting.registered.add(job.rank)
+        self.peers.submit(self._send, expecting, job.rank, reg, peer)
 
     # Pull
 
     def _current(self, spec: RecvSpec) -> bool:
         return self.arrivals.is_waiting(spec.transfer_id, spec.generation)
 
-    def _post_read(self, read: _Read, peer: RemoteRank[_Read]) -> None:
+    def _post_read(self, read: _ForRank, peer: RemoteRank[_ForRank]) -> None:
         spec = read.spec
         if not self._current(spec):
             return  # ended (aborted, failed, timed out) while the handshake ran
@@ -351,6 +410,7 @@ class Receiver(PeerLoop[_Read]):
             spec.transfer_id,
             spec.remote_block_ids,
             spec.remote_num_tokens,
+            spec.prefill_tp,
         ):
             why = (
                 "kv_transfer_params carry no valid grant from prefill: forged or altered on "
@@ -359,10 +419,19 @@ class Receiver(PeerLoop[_Read]):
             self.expecting[spec.transfer_id].forged = True
             self._read_failed(read, why, "bad_grant")
             return
+        assert peer.hello is not None
+        if spec.remote_engine_id and peer.hello.engine_id != spec.remote_engine_id:
+            why = (
+                f"kv_transfer_params name prefill {spec.remote_engine_id}, but "
+                f"{peer} is {peer.hello.engine_id}: coordinates altered on the way; "
+                "nothing was read"
+            )
+            self.expecting[spec.transfer_id].forged = True
+            self._read_failed(read, why, "bad_grant")
+            return
         expecting = self.expecting[spec.transfer_id]
         expecting.connections[read.rank] = peer.client.connection
         try:
-            assert peer.hello is not None
             self.post(
                 read,
                 spec.transfer_id,
@@ -377,7 +446,7 @@ class Receiver(PeerLoop[_Read]):
         except (PlanError, TransferError) as exc:
             self._read_failed(read, f"cannot read KV from prefill {peer}: {exc}")
 
-    def _read_ended(self, moving: Moving[_Read], error: str, now: float) -> None:
+    def _read_ended(self, moving: Moving[_ForRank], error: str, now: float) -> None:
         read = moving.job
         if error:
             self._read_failed(read, f"READ from prefill {moving.peer} failed: {error}")
@@ -386,7 +455,7 @@ class Receiver(PeerLoop[_Read]):
         done = self._read_done(read.spec, True, "")
         self.peers.submit(self._ask, read.spec, read.rank, moving.peer.client, done)
 
-    def _read_failed(self, read: _Read, why: str, kind: str = "read_failed") -> None:
+    def _read_failed(self, read: _ForRank, why: str, kind: str = "read_failed") -> None:
         self._producer_done(read.spec, read.rank, False, why, kind)
 
     def _producer_done(
@@ -435,6 +504,7 @@ class Receiver(PeerLoop[_Read]):
 
     def _ask(self, spec: RecvSpec, rank: int, client: ControlClient, msg: Message) -> None:
         """Pool thread: send a ReadDone or LeaseRenew and hand prefill's answer back."""
+        wait = False
         try:
             reply = client.request(msg)
         except (ConnectionError, TimeoutError, OSError, ProtocolError) as exc:
@@ -442,14 +512,15 @@ class Receiver(PeerLoop[_Read]):
         else:
             if isinstance(reply, Cancel):
                 problem = reply.reason
+            elif isinstance(reply, Wait):
+                problem, wait = "", True
             elif type(reply) is type(msg):
                 problem = ""
             else:
                 problem = f"unexpected answer {type(reply).__name__} from {client.address}"
         if isinstance(msg, ReadDone) and not msg.ok:
             return  # decode already gave up; the answer only matters to prefill
-        answered = _Answered(spec, rank, isinstance(msg, ReadDone), problem)
-        self.inbox.put((answered, time.monotonic()))
+        self.inbox.put((_Answered(spec, rank, msg, problem, wait), time.monotonic()))
 
 
 def _request(client: ControlClient, msg: Message) -> None:

@@ -33,6 +33,7 @@ Nothing here imports vLLM: `kvpush.vllm` reads vLLM's KV cache into a `KVLayout`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -51,10 +52,11 @@ from kvpush.core.protocol import (
     WriteDone,
     check_compatible,
 )
-from kvpush.dataplane.control import ControlServer
+from kvpush.dataplane.control import ControlServer, Peer
 from kvpush.dataplane.transport import NixlTransport
 from kvpush.node.config import KvpushConfig
 from kvpush.node.context import Context, Identity, Transport
+from kvpush.node.inbox import ConnectionClosed, Registered
 from kvpush.node.pull import LeaseKeeper
 from kvpush.node.push import PushWriter
 from kvpush.node.receiver import Receiver
@@ -64,7 +66,7 @@ from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
 log = logging.getLogger("kvpush.worker")
 
 Part = PushWriter | LeaseKeeper | Receiver
-Route = Callable[[Any], Message | None]
+Route = Callable[[Any, Peer], Message | None]
 
 
 class WorkerSide:
@@ -81,6 +83,9 @@ class WorkerSide:
         # Prefill: the writer (push) or the lease keeper (pull); decode: the receiver.
         self.part: Part | None = None
         self._routes: dict[type, Route] = {}
+        # Server thread only: the Hello each open connection handshook with (compatible
+        # or not), so a registration binds to the incarnation that sent it.
+        self._hellos: dict[int, Hello] = {}
         self._rejected_reported: dict[str, int] = {}
 
     @property
@@ -121,12 +126,18 @@ class WorkerSide:
             agent_name=name,
             agent_metadata=metadata,
             memory=tuple(memory),
+            host=self.config.host,
+            port=self.port,
         )
         self.ctx = ctx = Context(self.config, ident, transport, hello, self.results)
         self.part = self._make_part(ctx)
         self.part.start()
         self.server = ControlServer(
-            self.config.host, self.port, self._on_message, secret=self.config.secret
+            self.config.host,
+            self.port,
+            self._on_message,
+            secret=self.config.secret,
+            on_close=self._closed,
         )
         self.server.start()
         log.info(
@@ -163,49 +174,75 @@ class WorkerSide:
         self._routes = {Hello: self._answer_hello}
         if self.identity.role == "decode":
             receiver = Receiver(ctx)
-            self._routes |= dict.fromkeys((WriteDone, Cancel), receiver.enqueue)
+            self._routes |= dict.fromkeys((WriteDone, Cancel), _deliver(receiver))
             return receiver
         if self.config.mode == "pull":
             keeper = LeaseKeeper(ctx)
-            self._routes |= dict.fromkeys((ReadDone, LeaseRenew), keeper.answer)
-            self._routes[Registration] = self._registration(keeper.enqueue)
+            self._routes |= dict.fromkeys((ReadDone, LeaseRenew), _answer(keeper))
+            self._routes[Registration] = self._registration(keeper)
             return keeper
         writer = PushWriter(ctx)
-        self._routes[Registration] = self._registration(writer.enqueue)
-        self._routes[Cancel] = writer.enqueue
+        self._routes[Registration] = self._registration(writer)
+        self._routes[Cancel] = self._cancel(writer)
         return writer
 
-    def _registration(self, deliver: Route) -> Route:
-        """`deliver`, unless the test hook drop_registration loses this registration."""
+    def _registration(self, part: PushWriter | LeaseKeeper) -> Route:
+        """Hand `part` a registration bound to the Hello of the connection it came on; one
+        that names another incarnation or address than that Hello is dropped (the test
+        hook drop_registration loses chosen ones)."""
 
-        def route(msg: Registration) -> Message | None:
+        def route(msg: Registration, peer: Peer) -> Message | None:
+            hello = self._hellos.get(peer.conn_id)
+            problem = _unbound(msg, hello)
+            if problem or hello is None:
+                self.results.count("rejected", "unbound_registration")
+                log.warning("dropped registration %s from %s: %s", msg.transfer_id, peer, problem)
+                return None
             if self.config.faults.fires("drop_registration", msg.transfer_id):
                 return None
-            return deliver(msg)
+            part.enqueue(Registered(msg, hello, peer.conn_id))
+            return None
 
         return route
 
-    def _on_message(self, msg: Message, peer: Any) -> Message | None:
-        """Runs on the control-server thread: route `msg` to the part that takes it.
+    def _cancel(self, writer: PushWriter) -> Route:
+        """A decode's Cancel; it is acknowledged at that decode's own address (its Hello on
+        this connection), never at one the message names."""
 
-        A Registration reaching a pull-mode prefill goes to its lease keeper, which refuses
-        it naming both modes; any other message nobody takes is counted as rejected.
-        """
+        def route(msg: Cancel, peer: Peer) -> Message | None:
+            hello = self._hellos.get(peer.conn_id)
+            ack = (hello.host, hello.port) if hello is not None and msg.ack_port else ("", 0)
+            writer.enqueue(dataclasses.replace(msg, ack_host=ack[0], ack_port=ack[1]))
+            return None
+
+        return route
+
+    def _on_message(self, msg: Message, peer: Peer) -> Message | None:
+        """Runs on the control-server thread: route `msg` to the part that takes it; a
+        message nobody takes is counted as rejected."""
         route = self._routes.get(type(msg))
         if route is None:
             self.results.count("rejected", f"unexpected_{type(msg).__name__}")
             return None
-        return route(msg)
+        return route(msg, peer)
 
-    def _answer_hello(self, msg: Hello) -> Message:
+    def _answer_hello(self, msg: Hello, peer: Peer) -> Message:
         """Our own Hello, even to an incompatible peer, so the peer's own check names the
-        mismatch too (e.g. both modes) and fails its requests."""
+        mismatch too (e.g. both modes) and fails its requests. The peer's Hello is kept
+        for the connection: its registrations bind to it."""
         assert self.ctx is not None
         problem = check_compatible(self.ctx.hello, msg)
         if problem:
             log.error("refusing handshake from %s: %s", msg.engine_id, problem)
             self.results.count("failures", "incompatible_peer")
+        self._hellos[peer.conn_id] = msg
         return self.ctx.hello
+
+    def _closed(self, peer: Peer) -> None:
+        """Server thread: a connection closed; a writer voids what was registered on it."""
+        hello = self._hellos.pop(peer.conn_id, None)
+        if hello is not None and isinstance(self.part, PushWriter):
+            self.part.enqueue(ConnectionClosed(peer.conn_id, hello))
 
     def start_load_kv(
         self, recv: Sequence[RecvSpec], send: Sequence[SendSpec], aborted: Sequence[AbortSpec]
@@ -252,3 +289,31 @@ class WorkerSide:
             self.part.stop()
         if self.transport is not None:
             self.transport.close()
+
+
+def _deliver(part: Receiver) -> Route:
+    def route(msg: Message, peer: Peer) -> Message | None:
+        part.enqueue(msg)
+        return None
+
+    return route
+
+
+def _answer(keeper: LeaseKeeper) -> Route:
+    def route(msg: ReadDone | LeaseRenew, peer: Peer) -> Message | None:
+        return keeper.answer(msg)
+
+    return route
+
+
+def _unbound(reg: Registration, hello: Hello | None) -> str:
+    """Why `reg` is not its connection's Hello's to send ("" when it is)."""
+    if hello is None:
+        return "no handshake on its connection"
+    if reg.agent_name != hello.agent_name:
+        return f"it names incarnation {reg.agent_name!r}, its connection {hello.agent_name!r}"
+    if (reg.engine_id, reg.tp_rank, reg.tp_size) != (hello.engine_id, hello.tp_rank, hello.tp_size):
+        return f"it names {reg.engine_id} rank {reg.tp_rank}/{reg.tp_size}, unlike its Hello"
+    if (reg.host, reg.port) != (hello.host, hello.port):
+        return f"it names {reg.host}:{reg.port}, its Hello {hello.host}:{hello.port}"
+    return ""

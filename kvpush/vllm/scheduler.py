@@ -192,6 +192,7 @@ class SchedulerSide:
                     transfer_id,
                     tuple(block_ids),
                     request.num_computed_tokens,
+                    self.tp_size,
                 )
             return True, coordinates
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl)")
 
-from kvpush.core.protocol import Message  # noqa: E402
+from kvpush.core.protocol import Hello, Message  # noqa: E402
 from kvpush.dataplane.control import ControlServer, Peer  # noqa: E402
 from kvpush.node.config import KvpushConfig  # noqa: E402
 from kvpush.node.context import Identity  # noqa: E402
@@ -224,7 +224,7 @@ def test_pull_prefill_refuses_a_push_decode_naming_both_modes(pair_factory: obje
     prefill = pair.prefill.worker.stats_data()
     assert prefill["failures"] == {"incompatible_peer": 1}
     decode = pair.decode.worker.stats_data()["failures"]
-    assert decode == {"prefill_failed": 1, "receive_failed": 1}
+    assert decode == {"incompatible_peer": 1, "receive_failed": 1}
 
 
 def test_pull_decode_refuses_a_push_prefill_at_the_handshake(
@@ -351,14 +351,20 @@ def test_push_prefill_forgets_arrival_times_of_registrations_never_written(
     pair_factory: object,
 ) -> None:
     from kvpush.core.protocol import Registration
+    from kvpush.node.inbox import Registered
 
     assert callable(pair_factory)
     pair: Pair = pair_factory("push", "push", transfer_timeout_s=0.5)
     writer = pair.prefill.worker.part
-    assert writer is not None
+    decode = pair.decode.worker.ctx
+    assert writer is not None and decode is not None
 
-    def reg(transfer_id: str) -> Registration:
-        return Registration(transfer_id, "r", "decode-0", "127.0.0.1", 1, 0, 1, (1,), 4, 0, 500)
+    def reg(transfer_id: str) -> Registered:
+        registration = Registration(
+            transfer_id, "r", "decode-0", decode.hello.host, decode.hello.port, 0, 1, (1,), 4,
+            0, 500, agent_name=decode.hello.agent_name,
+        )  # fmt: skip
+        return Registered(registration, decode.hello, 1)
 
     writer.inbox.put((reg("old"), time.monotonic() - 5.0))
     writer.inbox.put((reg("new"), time.monotonic()))
@@ -404,8 +410,9 @@ def test_push_prefill_that_stays_silent_is_fenced_then_released_by_time(
     pair: Pair = pair_factory("push", "push", transfer_timeout_s=0.4, fence_s=0.8)
     received: list[Message] = []
 
-    def silent(msg: Message, peer: Peer) -> None:
-        received.append(msg)
+    def silent(msg: Message, peer: Peer) -> Message | None:
+        received.append(msg)  # answers the handshake, then nothing
+        return pair.prefill.worker.ctx.hello if isinstance(msg, Hello) else None
 
     with ControlServer("127.0.0.1", 0, silent) as frozen:
         spec = pair.recv_spec(prefill_port=frozen.port)
@@ -413,7 +420,7 @@ def test_push_prefill_that_stays_silent_is_fenced_then_released_by_time(
         took = pair.run_until(lambda: pair.decode.recving)
     assert 1.1 < took < 3.0, "deadline 0.4 s + fence 0.8 s"
     assert pair.decode.load_errors == {1, 9, 3}
-    assert [type(m).__name__ for m in received] == ["Registration", "Cancel"]
+    assert [type(m).__name__ for m in received] == ["Hello", "Registration", "Cancel"]
     failures = pair.decode.worker.stats_data()["failures"]
     assert failures == {"transfer_timeout": 1, "receive_failed": 1, "fence_timeout": 1}
 
@@ -493,7 +500,7 @@ def test_pull_decode_reads_nothing_with_coordinates_prefill_did_not_grant(
     secret = b"pair-secret"
     pair: Pair = pair_factory(secret=secret)  # type: ignore[arg-type]
     pair.prefill.step(Step(send=[send_spec()]))
-    genuine = grant(secret, "prefill-0", "t1", PREFILL_BLOCKS, NUM_TOKENS)
+    genuine = grant(secret, "prefill-0", "t1", PREFILL_BLOCKS, NUM_TOKENS, 1)
     forged = pair.recv_spec(remote_block_ids=(5, 6, 8), remote_grant=genuine)
     pair.decode.step(Step(recv=[forged]))
     took = pair.run_until(lambda: pair.decode.recving)

@@ -10,6 +10,7 @@ no vLLM, no NIXL.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,9 +18,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from kvpush.core.protocol import Hello, Registration
+from kvpush.core.rendezvous import Rendezvous
+from kvpush.dataplane.control import ControlClient
 from kvpush.dataplane.transport import TransferError
 from kvpush.node.config import KvpushConfig
 from kvpush.node.context import Identity
+from kvpush.node.pull import LeaseKeeper
+from kvpush.node.push import PushWriter
 from kvpush.node.specs import RecvSpec, SendSpec
 from kvpush.node.worker import WorkerSide
 from tests.node_kv import KVMemory, free_port
@@ -188,7 +194,7 @@ def recv_spec(prefill: Node, blocks: tuple[int, ...], first_token: int = 0) -> R
     )
 
 
-def run_until(pair: tuple[Node, Node], done: Callable[[], bool], timeout: float = 5.0) -> float:
+def run_until(pair: tuple[Node, ...], done: Callable[[], bool], timeout: float = 5.0) -> float:
     started = time.monotonic()
     while not done():
         assert time.monotonic() - started < timeout, "timed out"
@@ -252,3 +258,124 @@ def test_push_decode_keeps_its_blocks_until_the_write_in_flight_ended(
     took = run_until((prefill, decode), lambda: bool(decode.recving))
     assert decode.load_errors == {1, 9, 3}
     assert 0.5 < took < 3.0, f"released {took:.2f} s later: when prefill cancelled its WRITE"
+
+
+# -- registrations bind to the incarnation that handshook on their connection ----------
+
+
+def registration(hello: Hello, transfer_id: str = "t1", **over: object) -> Registration:
+    fields: dict[str, object] = {
+        "transfer_id": transfer_id,
+        "request_id": "d1",
+        "engine_id": hello.engine_id,
+        "host": hello.host,
+        "port": hello.port,
+        "tp_rank": hello.tp_rank,
+        "tp_size": hello.tp_size,
+        "block_ids": (1, 9, 3),
+        "num_tokens": NUM_TOKENS,
+        "generation": 0,
+        "deadline_ms": 5000,
+        "agent_name": hello.agent_name,
+    }
+    fields.update(over)
+    return Registration(**fields)  # type: ignore[arg-type]
+
+
+def writer_state(prefill: Node) -> Rendezvous:
+    part = prefill.worker.part
+    assert isinstance(part, PushWriter)
+    return part.rendezvous
+
+
+@pytest.mark.parametrize(
+    ("handshake", "over", "why"),
+    [
+        (False, {}, "no handshake"),
+        (True, {"agent_name": "decode-0-tp0-00000000"}, "another incarnation"),
+        (True, {"port": 1}, "another address"),
+        (True, {"engine_id": "decode-9"}, "another engine"),
+    ],
+)
+def test_a_registration_not_bound_to_its_connections_hello_is_dropped(
+    nodes: Callable[..., tuple[Node, Node]], handshake: bool, over: dict[str, object], why: str
+) -> None:
+    prefill, decode = nodes("push")
+    assert decode.worker.ctx is not None
+    hello = decode.worker.ctx.hello
+    with ControlClient("127.0.0.1", prefill.worker.port) as client:
+        if handshake:
+            assert isinstance(client.request(hello), Hello)
+        client.send(registration(hello, **over))
+        if handshake:
+            client.send(registration(hello, "t2"))  # a bound one behind it is taken
+        rejected: dict[str, int] = {}
+        deadline = time.monotonic() + 5
+        while not rejected.get("unbound_registration"):
+            assert time.monotonic() < deadline, why
+            time.sleep(0.01)
+            for kind, n in prefill.worker.stats_data()["rejected"].items():
+                rejected[kind] = rejected.get(kind, 0) + n
+        while writer_state(prefill).waiting_registrations < int(handshake):
+            assert time.monotonic() < deadline, why
+            time.sleep(0.01)
+    assert rejected == {"unbound_registration": 1}, why
+    assert writer_state(prefill).waiting_registrations == int(handshake), why
+
+
+def test_a_closed_connection_voids_its_registrations(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """A decode that exits (or restarts with the same engine id and port) leaves nothing
+    prefill would write into its successor's blocks."""
+    prefill, decode = nodes("push")
+    assert decode.worker.ctx is not None
+    hello = decode.worker.ctx.hello
+    with ControlClient("127.0.0.1", prefill.worker.port) as client:
+        client.request(hello)
+        client.send(registration(hello))
+        deadline = time.monotonic() + 5
+        while writer_state(prefill).waiting_registrations == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    deadline = time.monotonic() + 5
+    while writer_state(prefill).waiting_registrations:
+        assert time.monotonic() < deadline, "still waiting after its connection closed"
+        time.sleep(0.01)
+    # the prefill finishing now releases its blocks at once, writes nothing
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    run_until((prefill,), lambda: bool(prefill.sending))
+    assert prefill.transport.posted == []
+
+
+def test_pull_decode_is_told_to_ask_again_until_prefill_leased_the_blocks(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """The READ may finish before prefill's engine loop hands over the lease: prefill then
+    answers Wait, never "valid", and confirms once it holds the lease."""
+    prefill, decode = nodes("pull")
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    time.sleep(0.3)
+    for _ in range(20):
+        decode.step()
+        time.sleep(0.01)
+    assert not decode.recving, "confirmed before prefill leased anything"
+    keeper = prefill.worker.part
+    assert isinstance(keeper, LeaseKeeper) and keeper.leases.stats.not_yet > 0
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert not decode.load_errors
+    got = decode.kv.tokens((1, 9, 3), NUM_TOKENS)
+    assert np.array_equal(got, prefill.kv.tokens(PREFILL_BLOCKS, NUM_TOKENS))
+
+
+def test_pull_decode_reads_nothing_from_another_engine_than_its_coordinates_name(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    prefill, decode = nodes("pull")
+    spec = dataclasses.replace(recv_spec(prefill, (1, 9, 3)), remote_engine_id="prefill-7")
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    decode.step(recv=(spec,))
+    run_until((prefill, decode), lambda: bool(decode.recving))
+    assert decode.load_errors == {1, 9, 3} and decode.transport.posted == []
+    assert decode.worker.stats_data()["failures"].get("bad_grant") == 1

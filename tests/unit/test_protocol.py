@@ -347,7 +347,7 @@ def test_hello_layout_must_lie_in_registered_memory() -> None:
     with pytest.raises(ProtocolError, match="outside the registered memory"):
         decode(encode(outside))
     values = encode_fields(hello())
-    values[-1] = [[2**64 - 1, 2]]
+    values[[f.name for f in dataclasses.fields(Hello)].index("memory")] = [[2**64 - 1, 2]]
     with pytest.raises(ProtocolError, match="wraps the address space"):
         decode(payload_frame(values, type_code=1))
 
@@ -488,15 +488,16 @@ def test_incompatible_peers_are_named(changes: dict[str, object], words: list[st
 
 
 def test_a_grant_checks_out_only_for_exactly_what_was_granted() -> None:
-    token = grant(SECRET, "prefill-0", "t-1", (4, 5, 9), 40)
-    assert grant_ok(SECRET, token, "prefill-0", "t-1", (4, 5, 9), 40)
-    for engine, transfer, blocks, tokens in [
-        ("prefill-1", "t-1", (4, 5, 9), 40),
-        ("prefill-0", "t-2", (4, 5, 9), 40),
-        ("prefill-0", "t-1", (4, 5, 8), 40),
-        ("prefill-0", "t-1", (4, 5), 40),
-        ("prefill-0", "t-1", (4, 5, 9), 41),
+    token = grant(SECRET, "prefill-0", "t-1", (4, 5, 9), 40, 2)
+    assert grant_ok(SECRET, token, "prefill-0", "t-1", (4, 5, 9), 40, 2)
+    for engine, transfer, blocks, tokens, tp in [
+        ("prefill-1", "t-1", (4, 5, 9), 40, 2),
+        ("prefill-0", "t-2", (4, 5, 9), 40, 2),
+        ("prefill-0", "t-1", (4, 5, 8), 40, 2),
+        ("prefill-0", "t-1", (4, 5), 40, 2),
+        ("prefill-0", "t-1", (4, 5, 9), 41, 2),
+        ("prefill-0", "t-1", (4, 5, 9), 40, 1),
     ]:
-        assert not grant_ok(SECRET, token, engine, transfer, blocks, tokens)
-    assert not grant_ok(b"another secret", token, "prefill-0", "t-1", (4, 5, 9), 40)
-    assert not grant_ok(SECRET, "", "prefill-0", "t-1", (4, 5, 9), 40)
+        assert not grant_ok(SECRET, token, engine, transfer, blocks, tokens, tp)
+    assert not grant_ok(b"another secret", token, "prefill-0", "t-1", (4, 5, 9), 40, 2)
+    assert not grant_ok(SECRET, "", "prefill-0", "t-1", (4, 5, 9), 40, 2)

@@ -709,3 +709,36 @@ def test_arrivals_report_each_transfer_once_and_fence_failures(
     now = math.inf
     record(arrivals.expire(now))
     assert not open_ and arrivals.pending == 0
+
+
+def test_a_registration_waits_no_longer_than_prefill_allows() -> None:
+    """A peer cannot park a registration for days: its deadline is capped at prefill's
+    own transfer timeout."""
+    rdv = Rendezvous(max_wait_s=2.0)
+    assert rdv.register(reg(deadline_ms=4_000_000_000), now=0.0) == []
+    assert rdv.next_deadline() == 2.0
+    drop, notify = rdv.expire(2.0)
+    assert isinstance(notify, NotifyFailure) and "within 2 s" in notify.message.error
+    assert kinds([drop]) == ["DropRegistration"]
+
+
+def test_registrations_past_the_cap_are_refused_saying_so() -> None:
+    rdv = Rendezvous(max_waiting=2)
+    assert rdv.register(reg("a"), now=0.0) == rdv.register(reg("b"), now=0.0) == []
+    drop, notify = rdv.register(reg("c"), now=0.0)
+    assert isinstance(notify, NotifyFailure) and "cap" in notify.message.error
+    assert rdv.waiting_registrations == 2 and rdv.stats.capped_registrations == 1
+    # a registration for a finished prefill never waits, so the cap does not apply
+    done(rdv, "d")
+    assert kinds(rdv.register(reg("d"), now=0.0)) == ["StartWrite"]
+
+
+def test_tombstones_past_the_cap_forget_the_oldest() -> None:
+    rdv = Rendezvous(max_tombstones=2)
+    for transfer_id in ("a", "b", "c"):
+        rdv.cancel(transfer_id, 0, "gone", now=0.0)
+    assert rdv.tombstones == 2 and rdv.stats.dropped_tombstones == 1
+    # "a" was forgotten: its late registration is served; "c" is still refused
+    assert rdv.register(reg("a"), now=1.0) == []
+    assert rdv.register(reg("c"), now=1.0) == [], "stale: generation 0 was cancelled"
+    assert rdv.stats.stale_registrations == 1

@@ -202,7 +202,7 @@ def test_pull_prefill_signs_its_coordinates_when_a_secret_is_set() -> None:
     )
     _, params = prefill.request_finished(done, [9, 2])  # type: ignore[arg-type]
     assert params is not None
-    assert grant_ok(b"s3cret", params["kvpush_grant"], "prefill-0", "p-1", (9, 2), 6)
+    assert grant_ok(b"s3cret", params["kvpush_grant"], "prefill-0", "p-1", (9, 2), 6, 1)
     decode = SchedulerSide(config, "decode-0", is_producer=False)
     req = FakeRequest("d-1", list(range(6)), dict(params))
     decode.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
