@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvpush.core.protocol import Hello, Registration
+from kvpush.core.protocol import Cancel, Hello, Registration
 from kvpush.core.rendezvous import Rendezvous
-from kvpush.dataplane.control import ControlClient
+from kvpush.dataplane.control import ControlClient, ControlServer
 from kvpush.dataplane.transport import TransferError
 from kvpush.node.config import KvpushConfig
 from kvpush.node.context import Identity
 from kvpush.node.pull import LeaseKeeper
 from kvpush.node.push import PushWriter
+from kvpush.node.receiver import Receiver
 from kvpush.node.specs import RecvSpec, SendSpec
 from kvpush.node.worker import WorkerSide
 from tests.node_kv import KVMemory, free_port
@@ -333,12 +334,12 @@ def test_a_closed_connection_voids_its_registrations(
     hello = decode.worker.ctx.hello
     with ControlClient("127.0.0.1", prefill.worker.port) as client:
         client.request(hello)
-        client.send(registration(hello))
+        client.send(registration(hello, deadline_ms=60_000))
         deadline = time.monotonic() + 5
         while writer_state(prefill).waiting_registrations == 0:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 2  # long before the registration's own deadline
     while writer_state(prefill).waiting_registrations:
         assert time.monotonic() < deadline, "still waiting after its connection closed"
         time.sleep(0.01)
@@ -379,3 +380,57 @@ def test_pull_decode_reads_nothing_from_another_engine_than_its_coordinates_name
     run_until((prefill, decode), lambda: bool(decode.recving))
     assert decode.load_errors == {1, 9, 3} and decode.transport.posted == []
     assert decode.worker.stats_data()["failures"].get("bad_grant") == 1
+
+
+def test_push_never_posts_a_write_after_its_registrations_deadline(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """Decode's fence is safe only if prefill posts no WRITE once decode stopped waiting:
+    here loading decode's agent takes longer than the registration's 0.3 s."""
+    prefill, decode = nodes("push", transfer_timeout_s=0.3, fence_s=0.5)
+    slow_add = prefill.transport.add_peer
+
+    def add_peer(metadata: bytes, name: str | None = None) -> str:
+        time.sleep(0.6)
+        return slow_add(metadata, name)
+
+    prefill.transport.add_peer = add_peer  # type: ignore[method-assign]
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert prefill.transport.posted == [], "a WRITE after the deadline could land anywhere"
+    assert prefill.worker.stats_data()["failures"].get("registration_expired") == 1
+
+
+def test_push_refuses_block_ids_beyond_decodes_cache_on_the_fast_path(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    prefill, decode = nodes("push")  # same block size: prepared blocks, the fast path
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    decode.step(recv=(recv_spec(prefill, (1, BLOCKS + 5, 3)),))
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert prefill.transport.posted == []
+    failures = prefill.worker.stats_data()["failures"]
+    assert failures == {"write_failed": 1}, failures
+
+
+def test_a_cancel_is_acknowledged_at_its_senders_own_address_only(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    prefill, decode = nodes("push")
+    assert decode.worker.ctx is not None
+    hello = decode.worker.ctx.hello
+    elsewhere: list[object] = []
+    with ControlServer("127.0.0.1", 0, lambda msg, peer: elsewhere.append(msg)) as other:
+        with ControlClient("127.0.0.1", prefill.worker.port) as client:
+            client.request(hello)
+            client.send(registration(hello))
+            client.send(Cancel("t1", 0, "gave up", "127.0.0.1", other.port))
+            receiver = decode.worker.part
+            assert isinstance(receiver, Receiver)
+            deadline = time.monotonic() + 5
+            while not receiver.arrivals.stats.unexpected:  # the ack: for nothing it waits on
+                assert time.monotonic() < deadline, "no acknowledgement at decode's address"
+                time.sleep(0.01)
+        time.sleep(0.2)
+    assert elsewhere == [], "prefill sent to an address a message named"

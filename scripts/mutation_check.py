@@ -1,0 +1,161 @@
+"""The suite must prove the guards it relies on: break each one, expect tests to fail.
+
+Each mutation removes or weakens one guard of kvpush's failure and security rules in a
+copy of the repository (never in this checkout), runs the tests that should notice, and
+passes only if they fail. A mutation the tests survive is a guard nothing checks.
+
+    python scripts/mutation_check.py            # every mutation
+    python scripts/mutation_check.py --list     # what they are
+    python scripts/mutation_check.py fast-path  # the ones whose name contains this
+
+Run by tests/unit/test_mutations.py in `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+NODE_PARTS = "tests/unit/test_node_parts.py"
+MUTATIONS = (
+    Mutation(
+        "negative-block-ids",  # a negative id addresses the previous region's memory
+        "kvpush/core/planning.py",
+        "not 0 <= b < layout.scheduler_blocks",
+        "not b < layout.scheduler_blocks",
+        ("tests/unit/test_planning.py",),
+    ),
+    Mutation(
+        "fast-path-skips-the-block-check",
+        "kvpush/node/peers.py",
+        "planning.check_block_ids(f\"the {side} side's\", layout, blocks[:n])",
+        "pass",
+        (NODE_PARTS,),
+    ),
+    Mutation(
+        "write-after-the-registration-deadline",  # decode's fence relies on this check
+        "kvpush/node/push.py",
+        "if time.monotonic() > start.deadline:",
+        "if False:",
+        (NODE_PARTS,),
+    ),
+    Mutation(
+        "registration-deadline-uncapped",
+        "kvpush/core/rendezvous.py",
+        "return min(reg.deadline_ms / 1000, self.max_wait_s)",
+        "return reg.deadline_ms / 1000",
+        ("tests/unit/test_rendezvous.py",),
+    ),
+    Mutation(
+        "waiting-registrations-uncapped",
+        "kvpush/core/rendezvous.py",
+        "if len(self._waiting) >= self.max_waiting:",
+        "if False:",
+        ("tests/unit/test_rendezvous.py",),
+    ),
+    Mutation(
+        "registration-not-bound-to-its-connection",
+        "kvpush/node/worker.py",
+        "if problem or hello is None:",
+        "if hello is None:",
+        (NODE_PARTS,),
+    ),
+    Mutation(
+        "closed-connection-voids-nothing",
+        "kvpush/node/push.py",
+        "self.act(self.rendezvous.cancel(transfer_id, generation, why, now))",
+        "pass",
+        (NODE_PARTS,),
+    ),
+    Mutation(
+        "cancel-acknowledged-where-the-message-says",
+        "kvpush/node/worker.py",
+        "ack = (hello.host, hello.port) if hello is not None and msg.ack_port else (\"\", 0)",
+        "ack = (msg.ack_host, msg.ack_port)",
+        (NODE_PARTS,),
+    ),
+    Mutation(
+        "pull-confirms-what-it-never-leased",
+        "kvpush/node/pull.py",
+        'if verdict == "not_yet":\n            return Wait(msg.transfer_id, msg.generation)',
+        'if verdict == "not_yet":\n            return msg',
+        (NODE_PARTS,),
+    ),
+    Mutation(
+        "decode-reads-from-any-engine",
+        "kvpush/node/receiver.py",
+        "if spec.remote_engine_id and peer.hello.engine_id != spec.remote_engine_id:",
+        "if False:",
+        (NODE_PARTS,),
+    ),
+)
+
+
+def run(mutation: Mutation, python: str) -> tuple[bool, str]:
+    """(caught, what happened) for `mutation` applied to a fresh copy of the repository."""
+    with tempfile.TemporaryDirectory(prefix="kvpush-mutation-") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(ROOT / "kvpush", copy / "kvpush")
+        shutil.copytree(ROOT / "tests", copy / "tests", ignore=shutil.ignore_patterns("data"))
+        shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+        target = copy / mutation.file
+        source = target.read_text()
+        if source.count(mutation.old) != 1:
+            return False, f"{mutation.file} no longer holds the guarded code exactly once"
+        target.write_text(source.replace(mutation.old, mutation.new))
+        result = subprocess.run(
+            [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests],
+            cwd=copy,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    last = (result.stdout.strip().splitlines() or [""])[-1]
+    return result.returncode != 0, last
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="run only mutations whose name contains one")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or any(n in m.name for n in args.names)]
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:45} {m.file}")
+        return 0
+    survived = []
+    for mutation in chosen:
+        started = time.monotonic()
+        caught, last = run(mutation, sys.executable)
+        took = time.monotonic() - started
+        print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name:45} {took:5.1f} s  {last}")
+        if not caught:
+            survived.append(mutation.name)
+    if survived:
+        print(f"{len(survived)} guard(s) no test checks: {', '.join(survived)}", file=sys.stderr)
+        return 1
+    print(f"all {len(chosen)} mutations caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
