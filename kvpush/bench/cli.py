@@ -25,7 +25,7 @@ from typing import Any
 from kvpush.args import at_least, cannot_write, port_number, positive
 from kvpush.bench import plot, results, sweep
 from kvpush.plan.cli import format_table, positive_list
-from kvpush.plan.model import PlanError
+from kvpush.plan.model import PlannerError
 from kvpush.testbed import demo
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.topology import MAIN_SETUPS, SETUPS
@@ -124,7 +124,7 @@ def positive_numbers(kind: type[int] | type[float], flag: str) -> Callable[[str]
     def parse(text: str) -> list[Any]:
         try:
             return positive_list(kind, flag, text)
-        except PlanError as exc:
+        except PlannerError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse

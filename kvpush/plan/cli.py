@@ -23,8 +23,8 @@ from kvpush.plan.model import (
     DenseFlops,
     ModelShape,
     Plan,
-    PlanError,
     PlanInputs,
+    PlannerError,
     PrefillSpeed,
     make_plan,
 )
@@ -79,13 +79,13 @@ examples:
 
 
 def positive_list(kind: type[int] | type[float], flag: str, text: str) -> list[Any]:
-    """Comma-separated positive numbers of a flag such as --rates; PlanError names the fix."""
+    """Comma-separated positive numbers of a flag such as --rates; PlannerError names the fix."""
     try:
         values = [kind(item) for item in text.split(",") if item.strip()]
     except ValueError:
-        raise PlanError(f"{flag} takes comma-separated numbers (got {text!r})") from None
+        raise PlannerError(f"{flag} takes comma-separated numbers (got {text!r})") from None
     if not values or any(not value > 0 or not math.isfinite(value) for value in values):
-        raise PlanError(f"{flag} needs positive numbers (got {text!r}), e.g. {flag} 1,2,4,8")
+        raise PlannerError(f"{flag} needs positive numbers (got {text!r}), e.g. {flag} 1,2,4,8")
     return values
 
 
@@ -98,7 +98,7 @@ def _tpot_list(text: str) -> tuple[tuple[str, float], ...]:
         try:
             tpot = float(value)
         except ValueError:
-            raise PlanError(
+            raise PlannerError(
                 f"--tpot-ms item {item!r} is not a number; write e.g. pull=10.4,push=7.0"
             ) from None
         items.append((label.strip() or f"{tpot:g} ms", tpot))
@@ -110,7 +110,7 @@ def _modes(text: str) -> tuple[Mode, ...]:
     try:
         return tuple(names[item.strip()] for item in text.split(","))
     except KeyError as exc:
-        raise PlanError(
+        raise PlannerError(
             f"--modes item {exc.args[0]!r} is unknown; use pull, push or pull,push"
         ) from None
 
@@ -120,7 +120,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelShape, DenseFlops | No
     shape: ModelShape | None = None
     flops: DenseFlops | None = None
     if args.model is not None and args.preset is not None:
-        raise PlanError("--model and --preset both name a model; pass only one of them")
+        raise PlannerError("--model and --preset both name a model; pass only one of them")
     if args.model is not None:
         found = read_model(args.model, args.dtype)
         shape, flops = found.shape, found.flops
@@ -137,7 +137,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelShape, DenseFlops | No
             if name not in flags
         ]
         if missing:
-            raise PlanError(
+            raise PlannerError(
                 f"missing {', '.join(missing)}; pass --model CONFIG.json, all of "
                 "--layers/--kv-heads/--head-dim/--dtype, or --preset articles"
             )
@@ -349,7 +349,7 @@ def register(subparsers: Any) -> None:
     machine_cli.register(nested)
 
 
-def _fail(exc: PlanError) -> int:
+def _fail(exc: PlannerError) -> int:
     print(f"kvpush plan: error: {exc}", file=sys.stderr)
     return 2
 
@@ -450,7 +450,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 target_util=args.target_util,
             )
         )
-    except PlanError as exc:
+    except PlannerError as exc:
         return _fail(exc)
     if args.json:
         print(json.dumps(_jsonable(dataclasses.asdict(plan)), indent=2))
@@ -469,7 +469,7 @@ def sim_params(args: argparse.Namespace) -> SimParams:
         attn = prefill.attn_tokens if args.prefill_attn_tokens is None else args.prefill_attn_tokens
         prefill = PrefillSpeed(prefill.tokens_per_s, attn, fixed_s)
     else:
-        raise PlanError(
+        raise PlannerError(
             "cannot derive prefill speed from the shape flags alone (or from a mixture-of-"
             "experts config); pass --prefill-tok-s (measured prompt tokens/s), or --model "
             "with a dense config.json"
@@ -547,14 +547,14 @@ def render_results(params: SimParams, results: Sequence[RunResult]) -> str:
 
 
 def pyplot() -> Any:
-    """matplotlib's pyplot drawing to files only, or a PlanError that names the fix."""
+    """matplotlib's pyplot drawing to files only, or a PlannerError that names the fix."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlanError("--plot needs matplotlib: pip install 'kvpush[bench]'") from None
+        raise PlannerError("--plot needs matplotlib: pip install 'kvpush[bench]'") from None
     return plt
 
 
@@ -563,7 +563,7 @@ def save_figure(plt: Any, fig: Any, path: str) -> None:
     try:
         fig.savefig(path)
     except OSError as exc:
-        raise PlanError(f"cannot write --plot {path!r}: {exc.strerror}") from None
+        raise PlannerError(f"cannot write --plot {path!r}: {exc.strerror}") from None
     finally:
         plt.close(fig)
 
@@ -606,7 +606,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.profile is not None:
             params, modes = machine_cli.profile_params(args)
         elif args.setup is not None:
-            raise PlanError("--setup names a setup of a --profile; pass --profile too")
+            raise PlannerError("--setup names a setup of a --profile; pass --profile too")
         else:
             params, modes = sim_params(args), _modes(args.modes)
         rates = positive_list(float, "--rates", args.rates)
@@ -618,7 +618,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         results = sweep(params, rates, lens, modes, progress=progress)
         if args.plot:
             plot_results(results, args.plot)
-    except PlanError as exc:
+    except PlannerError as exc:
         return _fail(exc)
     if args.json:
         body = {

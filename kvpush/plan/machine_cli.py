@@ -26,7 +26,7 @@ from kvpush.plan.machine import (
     load_profile,
     sim_params,
 )
-from kvpush.plan.model import PlanError
+from kvpush.plan.model import PlannerError
 from kvpush.plan.simulate import Mode, SimParams
 
 MEASURE_EPILOG = """\
@@ -131,7 +131,7 @@ def register(nested: Any) -> None:
     c.set_defaults(func=run_check)
 
 
-def _fail(exc: PlanError) -> int:
+def _fail(exc: PlannerError) -> int:
     print(f"kvpush plan: error: {exc}", file=sys.stderr)
     return 2
 
@@ -143,9 +143,9 @@ def _pairs(flag: str, text: str) -> dict[str, float]:
         try:
             pairs[key.strip()] = float(value)
         except ValueError:
-            raise PlanError(f"{flag} takes MODE=MS pairs, e.g. pull=3.0,push=3.8") from None
+            raise PlannerError(f"{flag} takes MODE=MS pairs, e.g. pull=3.0,push=3.8") from None
     if set(pairs) != {"pull", "push"}:
-        raise PlanError(f"{flag} needs both pull= and push= (got {text!r})")
+        raise PlannerError(f"{flag} needs both pull= and push= (got {text!r})")
     return pairs
 
 
@@ -153,7 +153,7 @@ def profile_params(args: argparse.Namespace) -> tuple[SimParams, tuple[Mode, ...
     """`plan simulate --profile P --setup S`: that setup's measured parameters."""
     profile = load_profile(args.profile)
     if args.setup is None:
-        raise PlanError(f"--profile needs --setup, one of: {', '.join(sorted(profile.setups))}")
+        raise PlannerError(f"--profile needs --setup, one of: {', '.join(sorted(profile.setups))}")
     params = sim_params(
         profile,
         args.setup,
@@ -172,7 +172,7 @@ def run_measure(args: argparse.Namespace) -> int:
         lens = [int(n) for n in args.input_lens.split(",") if n.strip()]
         outs = [int(n) for n in args.output_lens.split(",") if n.strip()]
         if len(outs) != 2:
-            raise PlanError("--output-lens takes exactly two lengths, e.g. 16,80")
+            raise PlannerError("--output-lens takes exactly two lengths, e.g. 16,80")
         spec = MeasureSpec(
             model=args.model,
             setups=[s.strip() for s in args.setups.split(",") if s.strip()],
@@ -199,7 +199,7 @@ def run_measure(args: argparse.Namespace) -> int:
             redo=args.redo,
         )
     except ValueError as exc:
-        return _fail(exc if isinstance(exc, PlanError) else PlanError(str(exc)))
+        return _fail(exc if isinstance(exc, PlannerError) else PlannerError(str(exc)))
     print(f"\nprofile written to {args.out}")
     print(render_derived(profile))
     return 0
@@ -368,14 +368,14 @@ def run_check(args: argparse.Namespace) -> int:
             try:
                 results += load_results(directory)
             except FileNotFoundError as exc:
-                raise PlanError(f"{exc}; pass a `kvpush bench sweep --out` folder") from None
+                raise PlannerError(f"{exc}; pass a `kvpush bench sweep --out` folder") from None
             except ResultError as exc:
-                raise PlanError(str(exc)) from None
+                raise PlannerError(str(exc)) from None
         if args.setups:
             wanted = {s.strip() for s in args.setups.split(",")}
             results = [r for r in results if r["setup"] in wanted]
         if args.seeds < 1:
-            raise PlanError("--seeds must be at least 1")
+            raise PlannerError("--seeds must be at least 1")
 
         def progress(index: int, total: int, what: str) -> None:
             print(f"[{index}/{total}] {what}", file=sys.stderr, flush=True)
@@ -383,7 +383,7 @@ def run_check(args: argparse.Namespace) -> int:
         rows = check(profile, results, args.seeds, progress)
         if args.plot:
             plot_check(rows, args.plot)
-    except PlanError as exc:
+    except PlannerError as exc:
         return _fail(exc)
     if args.json:
         print(json.dumps({"profile": profile.to_json(), "rows": check_json(rows)}, indent=1))

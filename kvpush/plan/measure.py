@@ -50,7 +50,7 @@ from kvpush.plan.machine import (
     load_profile,
     save_profile,
 )
-from kvpush.plan.model import PlanError
+from kvpush.plan.model import PlannerError
 from kvpush.plan.model_config import read_model
 from kvpush.plan.simulate import Mode
 
@@ -96,18 +96,18 @@ class MeasureSpec:
 
         unknown = [s for s in self.setups if s not in SETUPS]
         if unknown or not self.setups:
-            raise PlanError(
+            raise PlannerError(
                 f"--setups: unknown setup {', '.join(unknown) or '(none)'}; choose from "
                 f"{', '.join(SETUPS)}"
             )
         if not self.input_lens or any(n < 1 for n in self.input_lens):
-            raise PlanError("--input-lens: give one or more prompt lengths >= 1")
+            raise PlannerError("--input-lens: give one or more prompt lengths >= 1")
         short, long = self.output_lens
         if not 2 <= short < long:
-            raise PlanError("--output-lens: two lengths, the first >= 2 and below the second")
+            raise PlannerError("--output-lens: two lengths, the first >= 2 and below the second")
         for name in ("max_num_seqs", "prefill_requests", "decode_rounds", "hook_requests"):
             if getattr(self, name) < 1:
-                raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
+                raise PlannerError(f"--{name.replace('_', '-')} must be at least 1")
 
 
 def metric_delta(before: dict[Any, float], after: dict[Any, float], name: str) -> float:
@@ -120,7 +120,7 @@ def histogram_mean_ms(before: dict[Any, float], after: dict[Any, float], name: s
     """Mean of a Prometheus histogram's new observations between two scrapes, in ms."""
     count = metric_delta(before, after, f"{name}_count")
     if count <= 0:
-        raise PlanError(f"vLLM recorded no {name} during the probe; is this vLLM too old?")
+        raise PlannerError(f"vLLM recorded no {name} during the probe; is this vLLM too old?")
     return metric_delta(before, after, f"{name}_sum") / count * 1e3
 
 
@@ -140,10 +140,10 @@ def submit_beyond_idle(busy: tuple[float, int], idle: tuple[float, int], request
 
 
 async def _answered(resp: aiohttp.ClientResponse, url: str) -> None:
-    """Raise PlanError naming the server's answer unless a probe request succeeded."""
+    """Raise PlannerError naming the server's answer unless a probe request succeeded."""
     if resp.status != 200:
         text = await resp.text()
-        raise PlanError(f"probe request to {url} failed: HTTP {resp.status}: {text[:300]}")
+        raise PlannerError(f"probe request to {url} failed: HTTP {resp.status}: {text[:300]}")
 
 
 class Prober:
@@ -216,7 +216,7 @@ class Prober:
             if metric_delta(before, after, f"{name}_count") >= count:
                 return after
             if time.monotonic() > deadline:
-                raise PlanError(
+                raise PlannerError(
                     f"vLLM at {url} recorded fewer than {count} new {name}; is this vLLM "
                     "too old, or did another client use the server during the probe?"
                 )
@@ -293,7 +293,7 @@ class Prober:
             per_request[tokens] = statistics.median(rounds)
         engine = (per_request[long] - per_request[short]) / (long - short)
         if not client:
-            raise PlanError(
+            raise PlannerError(
                 f"every probe answer on {self.decode_url} arrived in one burst, so no TPOT "
                 "could be measured; the machine is too busy, run `kvpush plan measure` again"
             )
@@ -376,7 +376,7 @@ class Prober:
                 proxy_url = f"http://127.0.0.1:{port}"
                 error = await warm_up(proxy_url, self.model)
                 if error:
-                    raise PlanError(f"{setup}: a handoff through the proxy failed: {error}")
+                    raise PlannerError(f"{setup}: a handoff through the proxy failed: {error}")
                 for n in spec.input_lens:
                     busy, transfers[n] = await self.handoffs(session, proxy_url, n)
                     submits[n] = submit_beyond_idle(busy, idle, spec.hook_requests)
@@ -422,9 +422,9 @@ def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
         say(f"  [{setup}] servers healthy after {took:.0f} s")
         probe = asyncio.run(Prober(spec, topology, say).run(setup))
     except StartupError as exc:
-        raise PlanError(f"{setup}: servers did not start: {str(exc).splitlines()[0]}") from None
+        raise PlannerError(f"{setup}: servers did not start: {str(exc).splitlines()[0]}") from None
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise PlanError(
+        raise PlannerError(
             f"{setup}: a probe request failed ({type(exc).__name__}: {exc}); see {logs}"
         ) from None
     finally:
@@ -469,7 +469,7 @@ def measure(
     if spec.out.exists() and not redo:
         done = load_profile(spec.out)
         if done.max_num_seqs != spec.max_num_seqs or done.proxy_added_ms != proxy_added_ms:
-            raise PlanError(
+            raise PlannerError(
                 f"{spec.out} was measured with other settings; pass --redo or another --out"
             )
         profile.setups.update(done.setups)

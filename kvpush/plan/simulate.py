@@ -105,7 +105,7 @@ from kvpush.plan.model import (
     GB,
     DenseFlops,
     ModelShape,
-    PlanError,
+    PlannerError,
     PrefillSpeed,
     check_non_negative,
     check_positive,
@@ -166,9 +166,9 @@ class SimParams:
         check_positive_int("--max-num-seqs", self.max_num_seqs, "pass decode's --max-num-seqs")
         check_positive_int("--num-prompts", self.num_prompts, "pass how many requests to send")
         if isinstance(self.output_len, bool) or not isinstance(self.output_len, int):
-            raise PlanError(f"--output-len must be an integer (got {self.output_len!r})")
+            raise PlannerError(f"--output-len must be an integer (got {self.output_len!r})")
         if self.output_len < 2:
-            raise PlanError(
+            raise PlannerError(
                 f"--output-len must be at least 2 (got {self.output_len}); TPOT needs 2 tokens"
             )
         check_positive("--link-gbps", self.link_gbps, "pass GB/s per GPU (articles: 50)")
@@ -188,9 +188,11 @@ class SimParams:
             "--pull-submit-us-per-token", self.pull_submit_us_per_token, "pass us per token"
         )
         if self.base_tpot_ms + self.per_seq_ms <= 0:
-            raise PlanError("--base-tpot-ms and --per-seq-ms are both 0; a decode step takes time")
+            raise PlannerError(
+                "--base-tpot-ms and --per-seq-ms are both 0; a decode step takes time"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise PlanError(f"--seed must be a non-negative integer (got {self.seed!r})")
+            raise PlannerError(f"--seed must be a non-negative integer (got {self.seed!r})")
 
     def transfer_s(self, tokens: int) -> float:
         moved = transfer_seconds(tokens * self.kv_bytes_per_token, self.tp, self.link_gbps)
@@ -405,7 +407,7 @@ class _Sim:
 def simulate(params: SimParams, mode: Mode, rate: float, input_len: int) -> RunResult:
     """Run `params.num_prompts` requests of `input_len` prompt tokens at `rate` req/s."""
     if mode not in MODES:
-        raise PlanError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+        raise PlannerError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     check_positive("--rates", rate, "pass request rates in req/s")
     check_positive_int("--input-lens", input_len, "pass prompt lengths in tokens")
     requests = _Sim(params, mode, rate, input_len).run()
