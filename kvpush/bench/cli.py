@@ -18,14 +18,19 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpush.args import at_least, cannot_write, port_number, positive
+from kvpush.args import (
+    at_least,
+    cannot_write,
+    port_number,
+    positive,
+    positive_list,
+    positive_numbers,
+)
 from kvpush.bench import plot, results, sweep
-from kvpush.plan.cli import format_table, positive_list
-from kvpush.plan.model import PlannerError
+from kvpush.report import format_table
 from kvpush.testbed import demo
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.topology import MAIN_SETUPS, SETUPS
@@ -116,18 +121,6 @@ SWEEP_EPILOG = """example (about 40 minutes here):
 setups: {}
 Interrupt it at any time: run the same command again and it resumes.
 """.format(", ".join(SETUPS))
-
-
-def positive_numbers(kind: type[int] | type[float], flag: str) -> Callable[[str], list[Any]]:
-    """An argparse type for a comma-separated list, checked like `kvpush plan`'s."""
-
-    def parse(text: str) -> list[Any]:
-        try:
-            return positive_list(kind, flag, text)
-        except PlannerError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse
 
 
 def add_sweep_arguments(

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvpush.args import UsageError, positive_list
 from kvpush.plan import machine_cli
 from kvpush.plan.model import (
     DTYPE_BYTES,
@@ -43,6 +44,7 @@ from kvpush.plan.simulate import (
     SimParams,
     sweep,
 )
+from kvpush.report import format_table, pyplot, save_figure
 
 PRESETS: dict[str, tuple[ModelShape, DenseFlops]] = {
     "articles": (QWEN3_32B_SHAPE, QWEN3_32B_FLOPS),
@@ -76,17 +78,6 @@ examples:
   kvpush plan --preset articles                   # the articles' 8 QPS, 16k-token point
   kvpush plan --model models/tiny/config.json --tp 1 --link-gbps 12 --rate 2 --input-len 2048
   kvpush plan --preset articles --tpot-ms pull=10.4,push=7.0 --json"""
-
-
-def positive_list(kind: type[int] | type[float], flag: str, text: str) -> list[Any]:
-    """Comma-separated positive numbers of a flag such as --rates; PlannerError names the fix."""
-    try:
-        values = [kind(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise PlannerError(f"{flag} takes comma-separated numbers (got {text!r})") from None
-    if not values or any(not value > 0 or not math.isfinite(value) for value in values):
-        raise PlannerError(f"{flag} needs positive numbers (got {text!r}), e.g. {flag} 1,2,4,8")
-    return values
 
 
 def _tpot_list(text: str) -> tuple[tuple[str, float], ...]:
@@ -349,7 +340,7 @@ def register(subparsers: Any) -> None:
     machine_cli.register(nested)
 
 
-def _fail(exc: PlannerError) -> int:
+def _fail(exc: UsageError) -> int:
     print(f"kvpush plan: error: {exc}", file=sys.stderr)
     return 2
 
@@ -360,20 +351,6 @@ def _bytes(n: float) -> str:
     if n >= 1e6:
         return f"{n / 1e6:.2f} MB"
     return f"{n / KIB:.1f} KiB"
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns padded to their widest cell; the first column left, the rest right-aligned."""
-    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(headers), *(line(row) for row in rows)])
 
 
 def render_plan(plan: Plan) -> str:
@@ -450,7 +427,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 target_util=args.target_util,
             )
         )
-    except PlannerError as exc:
+    except UsageError as exc:
         return _fail(exc)
     if args.json:
         print(json.dumps(_jsonable(dataclasses.asdict(plan)), indent=2))
@@ -546,28 +523,6 @@ def render_results(params: SimParams, results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def pyplot() -> Any:
-    """matplotlib's pyplot drawing to files only, or a PlannerError that names the fix."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlannerError("--plot needs matplotlib: pip install 'kvpush[bench]'") from None
-    return plt
-
-
-def save_figure(plt: Any, fig: Any, path: str) -> None:
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise PlannerError(f"cannot write --plot {path!r}: {exc.strerror}") from None
-    finally:
-        plt.close(fig)
-
-
 def plot_results(results: Sequence[RunResult], path: str) -> None:
     """TTFT (top) and TPOT (bottom) vs rate, as `kvpush bench plot` draws a sweep: p50
     solid, p99 dashed, one column per input length, one colour per mode."""
@@ -618,7 +573,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         results = sweep(params, rates, lens, modes, progress=progress)
         if args.plot:
             plot_results(results, args.plot)
-    except PlannerError as exc:
+    except UsageError as exc:
         return _fail(exc)
     if args.json:
         body = {

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.args import port_number
+from kvpush.args import UsageError, port_number
 from kvpush.plan.machine import (
     METRICS,
     CheckRow,
@@ -28,6 +28,7 @@ from kvpush.plan.machine import (
 )
 from kvpush.plan.model import PlannerError
 from kvpush.plan.simulate import Mode, SimParams
+from kvpush.report import format_table, pyplot, save_figure
 
 MEASURE_EPILOG = """\
 examples:
@@ -131,7 +132,7 @@ def register(nested: Any) -> None:
     c.set_defaults(func=run_check)
 
 
-def _fail(exc: PlannerError) -> int:
+def _fail(exc: UsageError) -> int:
     print(f"kvpush plan: error: {exc}", file=sys.stderr)
     return 2
 
@@ -199,7 +200,7 @@ def run_measure(args: argparse.Namespace) -> int:
             redo=args.redo,
         )
     except ValueError as exc:
-        return _fail(exc if isinstance(exc, PlannerError) else PlannerError(str(exc)))
+        return _fail(exc if isinstance(exc, UsageError) else UsageError(str(exc)))
     print(f"\nprofile written to {args.out}")
     print(render_derived(profile))
     return 0
@@ -214,8 +215,6 @@ def _ms(value: float | None, digits: int = 1) -> str:
 
 
 def render_derived(profile: MachineProfile) -> str:
-    from kvpush.plan.cli import format_table
-
     headers = [
         "setup", "mode", "prefill ms", "+us/tok", "front end ms", "+us/tok",
         "step ms", "+ms/seq", "+us/ctx tok", "submit us/tok", "xfer setup ms", "hop ms",
@@ -245,8 +244,6 @@ def render_derived(profile: MachineProfile) -> str:
 
 
 def render_check(rows: Sequence[CheckRow], limit: float = 0.25) -> str:
-    from kvpush.plan.cli import format_table
-
     headers = ["in", "qps", "setup", "result"]
     for name in ("TTFT", "TPOT", "E2E"):
         headers += [f"{name} p50", "predicted", "error"]
@@ -313,8 +310,6 @@ def check_json(rows: Sequence[CheckRow]) -> list[dict[str, Any]]:
 
 def plot_check(rows: Sequence[CheckRow], path: str) -> None:
     """Measured (solid) and predicted (dashed) p50 vs rate; a column per input length."""
-    from kvpush.plan.cli import pyplot, save_figure
-
     plt = pyplot()
     lens = sorted({r.measured.input_len for r in rows})
     setups = sorted({r.measured.setup for r in rows})
@@ -383,7 +378,7 @@ def run_check(args: argparse.Namespace) -> int:
         rows = check(profile, results, args.seeds, progress)
         if args.plot:
             plot_check(rows, args.plot)
-    except PlannerError as exc:
+    except UsageError as exc:
         return _fail(exc)
     if args.json:
         print(json.dumps({"profile": profile.to_json(), "rows": check_json(rows)}, indent=1))

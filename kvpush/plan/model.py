@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpush.args import UsageError
+
 GB = 1e9
 KIB = 1024
 
@@ -46,7 +48,7 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
-class PlannerError(ValueError):
+class PlannerError(UsageError):
     """Invalid planner input; the message names the flag or file to fix."""
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush.proxy.rewrite import MODES
+from kvpush.report import format_table
 
 if TYPE_CHECKING:
     import aiohttp
@@ -319,8 +320,6 @@ def measure(spec: BenchSpec, progress: Callable[[str], None]) -> tuple[list[Row]
 
 
 def render(spec: BenchSpec, rows: Sequence[Row], throughput: Row, load: float) -> str:
-    from kvpush.plan.cli import format_table
-
     def ms(value: float) -> str:
         return "-" if math.isnan(value) else f"{value * 1e3:.2f}"
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvpush.args import at_least, cannot_write, port_number, positive
 from kvpush.bench.timed import read_ledgers
-from kvpush.plan.cli import format_table
+from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_corpus
 from kvpush.testbed.topology import (
     MAIN_SETUPS,
