@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpush.args import UsageError, positive_list
+from kvpush.core.protocol import MODES, Mode
 from kvpush.plan import machine_cli
 from kvpush.plan.model import (
     DTYPE_BYTES,
@@ -33,13 +34,12 @@ from kvpush.plan.model_config import read_model
 from kvpush.plan.simulate import (
     H200_BF16_DENSE_TFLOPS,
     H200_HBM_TBPS,
-    MODES,
+    MODE_ORDER,
     PR45211_PROMPT_TOKENS,
     PR45211_SUBMIT_MS,
     PREFILL_MFU,
     QWEN3_32B_FLOPS,
     QWEN3_32B_SHAPE,
-    Mode,
     RunResult,
     SimParams,
     sweep,
@@ -528,7 +528,7 @@ def plot_results(results: Sequence[RunResult], path: str) -> None:
     solid, p99 dashed, one column per input length, one colour per mode."""
     plt = pyplot()
     lens = sorted({r.input_len for r in results})
-    modes = [mode for mode in MODES if any(r.mode == mode for r in results)]
+    modes = [mode for mode in MODE_ORDER if any(r.mode == mode for r in results)]
     fig, axes = plt.subplots(2, len(lens), figsize=(4.5 * len(lens), 7), squeeze=False)
     colours = plt.get_cmap("tab10")
     for col, input_len in enumerate(lens):

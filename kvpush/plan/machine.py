@@ -38,8 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.core.protocol import Mode
 from kvpush.plan.model import PlannerError, PrefillSpeed
-from kvpush.plan.simulate import Mode, SimParams, simulate
+from kvpush.plan.simulate import SimParams, simulate
 
 SCHEMA = "kvpush.plan.profile/1"
 # The simulator's hops per request in each mode (client -> proxy -> prefill, and for pull

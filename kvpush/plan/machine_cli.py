@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.args import UsageError, port_number
+from kvpush.core.protocol import Mode
 from kvpush.plan.machine import (
     METRICS,
     CheckRow,
@@ -27,7 +28,7 @@ from kvpush.plan.machine import (
     sim_params,
 )
 from kvpush.plan.model import PlannerError
-from kvpush.plan.simulate import Mode, SimParams
+from kvpush.plan.simulate import SimParams
 from kvpush.report import format_table, pyplot, save_figure
 
 MEASURE_EPILOG = """\

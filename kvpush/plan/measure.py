@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush.bench.results import ONE_BURST_MS
+from kvpush.core.protocol import Mode
 from kvpush.plan.machine import (
     MachineProfile,
     PointProbe,
@@ -52,7 +53,6 @@ from kvpush.plan.machine import (
 )
 from kvpush.plan.model import PlannerError
 from kvpush.plan.model_config import read_model
-from kvpush.plan.simulate import Mode
 
 if TYPE_CHECKING:
     import aiohttp

@@ -97,10 +97,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import numpy as np
 
+from kvpush.core.protocol import MODES, Mode
 from kvpush.plan.model import (
     GB,
     DenseFlops,
@@ -113,8 +113,9 @@ from kvpush.plan.model import (
     transfer_seconds,
 )
 
-Mode = Literal["pull", "push"]
-MODES: tuple[Mode, ...] = ("pull", "push")
+# The modes in the order the planner reports them: alphabetical, which puts pull, the
+# baseline, first.
+MODE_ORDER: tuple[Mode, ...] = tuple(sorted(MODES))
 
 QWEN3_32B_SHAPE = ModelShape(layers=64, kv_heads=8, head_dim=128, dtype="bfloat16")
 QWEN3_32B_FLOPS = DenseFlops(
@@ -406,8 +407,8 @@ class _Sim:
 
 def simulate(params: SimParams, mode: Mode, rate: float, input_len: int) -> RunResult:
     """Run `params.num_prompts` requests of `input_len` prompt tokens at `rate` req/s."""
-    if mode not in MODES:
-        raise PlannerError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if mode not in MODE_ORDER:
+        raise PlannerError(f"unknown mode {mode!r}; use one of {', '.join(MODE_ORDER)}")
     check_positive("--rates", rate, "pass request rates in req/s")
     check_positive_int("--input-lens", input_len, "pass prompt lengths in tokens")
     requests = _Sim(params, mode, rate, input_len).run()
@@ -430,7 +431,7 @@ def sweep(
     params: SimParams,
     rates: Iterable[float],
     input_lens: Iterable[int],
-    modes: Iterable[Mode] = MODES,
+    modes: Iterable[Mode] = MODE_ORDER,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[RunResult]:
     """Every (input length, rate, mode) of the grid, in that nesting order."""

@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpush.proxy.rewrite import MODES
+from kvpush.core.protocol import MODES
 from kvpush.report import format_table
 
 if TYPE_CHECKING:

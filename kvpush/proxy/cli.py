@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.args import at_least, non_negative, port_number, positive
+from kvpush.core.protocol import MODES
 from kvpush.proxy import bench
 from kvpush.proxy.balance import POLICIES, check_policy
-from kvpush.proxy.rewrite import MODES, parse_backend
+from kvpush.proxy.rewrite import parse_backend
 
 EPILOG = """\
 backends:

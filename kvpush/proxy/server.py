@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpush.core.protocol import MODES
 from kvpush.proxy import rewrite
 from kvpush.proxy.balance import (
     BackendState,
@@ -116,8 +117,8 @@ class ProxyConfig:
     policies: dict[str, str] = field(init=False)  # role -> policy, as balance.POLICIES spells it
 
     def __post_init__(self) -> None:
-        if self.mode not in rewrite.MODES:
-            raise ValueError(f"mode must be one of {rewrite.MODES}, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_fleet(self.mode, Fleet(tuple(self.prefill), tuple(self.decode)))
         if self.request_timeout <= 0 or self.connect_timeout <= 0 or self.health_timeout <= 0:
             raise ValueError("timeouts must be positive")
