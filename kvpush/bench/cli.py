@@ -29,9 +29,8 @@ from kvpush.args import (
     positive_list,
     positive_numbers,
 )
-from kvpush.bench import plot, results, sweep
+from kvpush.bench import compare, plot, results, sweep
 from kvpush.report import format_table
-from kvpush.testbed import demo
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.topology import MAIN_SETUPS, SETUPS
 
@@ -52,17 +51,17 @@ def register(subparsers: Any) -> None:
         epilog=HOOKS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_arguments(hooks)
+    compare.add_arguments(hooks)
     hooks.set_defaults(func=run_hooks)
-    compare = tools.add_parser(
+    comparer = tools.add_parser(
         "compare",
         help="the same prompts through every setup: TTFT/TPOT and whether the text agrees",
-        description=demo.__doc__,
+        description=compare.__doc__,
         epilog=COMPARE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_arguments(compare)
-    compare.set_defaults(func=demo.run)
+    compare.add_arguments(comparer)
+    comparer.set_defaults(func=compare.run)
     sweeper = tools.add_parser(
         "sweep",
         help="vllm bench serve over rates x input lengths for each setup, interleaved",
@@ -322,7 +321,7 @@ def hook_totals(ledger: dict[str, Any], role: str) -> tuple[float, int]:
     return sum(part.get("seconds", {}).values()), sum(part.get("calls", {}).values())
 
 
-def hook_rows(reports: list[demo.SetupReport], requests: int) -> list[list[str]]:
+def hook_rows(reports: list[compare.SetupReport], requests: int) -> list[list[str]]:
     rows = []
     for report in reports:
         if not report.hooks:
@@ -336,15 +335,15 @@ def hook_rows(reports: list[demo.SetupReport], requests: int) -> list[list[str]]
             steps = ledger.get("worker", {}).get("calls", {}).get("start_load_kv", 0)
             cells.append(f"{1e3 * (worker_s + sched_s) / requests:.3f}")
             cells.append(f"{1e6 * worker_s / steps:.1f}" if steps else "-")
-        summary = demo.summarise(report.results)
-        cells.append(demo.format_ms(summary.ttft_p50_s))
-        cells.append(demo.format_ms(summary.tpot_p50_s))
+        summary = compare.summarise(report.results)
+        cells.append(compare.format_ms(summary.ttft_p50_s))
+        cells.append(compare.format_ms(summary.tpot_p50_s))
         rows.append(cells)
     return rows
 
 
 def run_hooks(args: argparse.Namespace) -> int:
-    measured = demo.run_all(args, timed_hooks=True, label="bench-hooks")
+    measured = compare.run_all(args, timed_hooks=True, label="bench-hooks")
     if isinstance(measured, int):
         return measured
     reports, load = measured

@@ -276,7 +276,7 @@ def root_cause(log: str) -> str:
     return lines[-1][:300] if lines else "(empty log)"
 
 
-def demo_setups(requested: str | None) -> list[str]:
+def setups_to_run(requested: str | None) -> list[str]:
     """The setups to run, in order; raises ValueError naming an unknown one."""
     names = [n.strip() for n in (requested or ",".join(MAIN_SETUPS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in SETUPS]
@@ -565,7 +565,7 @@ def run_all(
 ) -> tuple[list[SetupReport], LoadSpec] | int:
     """Run every requested setup in turn; an int is an exit code for bad arguments."""
     try:
-        setups = demo_setups(args.setups)
+        setups = setups_to_run(args.setups)
         load = LoadSpec(
             requests=args.requests,
             concurrency=args.concurrency,
