@@ -42,6 +42,7 @@ from kvpush.testbed.topology import (
     hook_dir,
     resolve_setup,
 )
+from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy, warm_up
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,22 +441,16 @@ async def _drive(
 ) -> SetupReport:
     import aiohttp
 
-    from kvpush.proxy.server import ProxyConfig, start_proxy
-    from kvpush.testbed.up import warm_up
-
-    prefill, decode = topology.proxy_backends()
-    config = ProxyConfig(
-        mode=SETUPS[setup].proxy_mode,
-        prefill=prefill,
-        decode=decode,
-        # Later than the client's deadline, so a stall shows as the client's timeout.
-        request_timeout=load.request_timeout + 10,
-    )
     try:
-        runner = await start_proxy(config, "127.0.0.1", port)
+        runner = await start_topology_proxy(
+            topology,
+            port,
+            # Later than the client's deadline, so a stall shows as the client's timeout.
+            request_timeout=load.request_timeout + 10,
+        )
     except OSError as exc:
-        raise StartupError(f"proxy cannot listen on port {port}: {exc.strerror}") from None
-    url = f"http://127.0.0.1:{port}"
+        raise cannot_listen(port, exc) from None
+    url = local_url(port)
     model = str(topology.config.model)
     try:
         error = await warm_up(url, model)

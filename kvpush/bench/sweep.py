@@ -41,6 +41,7 @@ from kvpush.testbed.topology import (
     Topology,
     bench_pair,
 )
+from kvpush.testbed.topology_proxy import local_url, start_topology_proxy, warm_up
 
 # Counters kept as deltas over a run, besides every kvpush:* sample.
 VLLM_COUNTERS = (
@@ -174,7 +175,7 @@ class ProxyThread:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return local_url(self.port)
 
     def __enter__(self) -> ProxyThread:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,13 +203,9 @@ class ProxyThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            from kvpush.proxy.server import ProxyConfig, start_proxy
-
-            prefill, decode = self.topology.proxy_backends()
-            config = ProxyConfig(
-                mode=SETUPS[self.topology.config.setup or ""].proxy_mode,
-                prefill=prefill,
-                decode=decode,
+            starting = start_topology_proxy(
+                self.topology,
+                self.port,
                 request_timeout=self.request_timeout,
                 # A vLLM server on a saturated CPU can take seconds to answer /health;
                 # ejecting it would abort the very requests being measured. Only a server
@@ -216,7 +213,7 @@ class ProxyThread:
                 health_timeout=10.0,
                 eject_after=10,
             )
-            self.runner = self.loop.run_until_complete(start_proxy(config, "127.0.0.1", self.port))
+            self.runner = self.loop.run_until_complete(starting)
         except Exception as exc:  # reported by __enter__, in the sweep's own thread
             self.error = exc
         finally:
@@ -519,8 +516,6 @@ def run_group(
             took = topology.wait_healthy(spec.startup_timeout, StartupProgress(f"[{setup}] "))
             say(f"  [{setup}] servers healthy after {took:.0f} s")
             with ProxyThread(topology, spec.port, spec.request_timeout) as proxy:
-                from kvpush.testbed.up import warm_up
-
                 error = asyncio.run(warm_up(proxy.url, str(spec.model)))
                 if error:
                     reason = f"warm-up through the proxy failed: {error}"

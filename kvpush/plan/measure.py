@@ -324,9 +324,8 @@ class Prober:
     async def run(self, setup: str) -> SetupProbe:
         import aiohttp
 
-        from kvpush.proxy.server import ProxyConfig, start_proxy
         from kvpush.testbed.topology import SETUPS
-        from kvpush.testbed.up import warm_up
+        from kvpush.testbed.topology_proxy import local_url, start_topology_proxy, warm_up
 
         spec, say = self.spec, self.say
         mode: Mode = "pull" if SETUPS[setup].proxy_mode == "pull" else "push"
@@ -356,24 +355,21 @@ class Prober:
                     )
             idle_after = hook_seconds(self.hooks("decode-0"), "start_load_kv")
             idle = (idle_after[0] - idle_before[0], idle_after[1] - idle_before[1])
-            prefill_backends, decode_backends = self.topology.proxy_backends()
             port = spec.proxy_port or spec.port
-            config = ProxyConfig(
-                mode=mode,
-                prefill=prefill_backends,
-                decode=decode_backends,
+            runner = await start_topology_proxy(
+                self.topology,
+                port,
                 request_timeout=spec.request_timeout,
                 # a server whose core a spinning NIXL thread shares can miss /health for
                 # seconds; the probe sends one request at a time and needs no ejection
                 health_interval=3600.0,
                 health_timeout=spec.request_timeout,
             )
-            runner = await start_proxy(config, "127.0.0.1", port)
             submits: dict[int, float] = {}
             transfers: dict[int, float | None] = {}
             hook_totals: dict[str, Any] = {"idle_start_load_kv": idle}
             try:
-                proxy_url = f"http://127.0.0.1:{port}"
+                proxy_url = local_url(port)
                 error = await warm_up(proxy_url, self.model)
                 if error:
                     raise PlannerError(f"{setup}: a handoff through the proxy failed: {error}")
