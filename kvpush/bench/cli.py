@@ -32,7 +32,7 @@ from kvpush.args import (
 from kvpush.bench import compare, plot, results, sweep
 from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
-from kvpush.testbed.topology import MAIN_SETUPS, SETUPS
+from kvpush.testbed.topology import MAIN_SETUPS, SETUPS, PairSettings
 
 
 def register(subparsers: Any) -> None:
@@ -236,18 +236,20 @@ def sweep_spec(args: argparse.Namespace) -> sweep.SweepSpec:
         num_prompts=args.num_prompts,
         iterations=args.iterations,
         out=args.out,
-        model=model,
-        workdir=args.workdir,
-        port=args.port,
-        kv_port=args.kv_port,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib,
+        pair=PairSettings(
+            model=model,
+            workdir=args.workdir,
+            port=args.port,
+            kv_port=args.kv_port,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_gib=args.kv_cache_gib,
+            prefix_caching=args.prefix_caching,
+            startup_timeout=args.startup_timeout,
+        ),
         seed=args.seed,
         request_timeout=args.request_timeout,
         run_timeout=args.run_timeout,
-        startup_timeout=args.startup_timeout,
         retry_failed=args.retry_failed,
-        prefix_caching=args.prefix_caching,
     )
 
 

@@ -35,10 +35,10 @@ from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_cor
 from kvpush.testbed.topology import (
     MAIN_SETUPS,
     SETUPS,
+    PairSettings,
     StartupError,
     StartupProgress,
     Topology,
-    bench_pair,
     hook_dir,
     resolve_setup,
 )
@@ -383,8 +383,7 @@ async def stream_completion(
 
 def run_setup(
     setup: str,
-    model: Path,
-    args: argparse.Namespace,
+    pair: PairSettings,
     load: LoadSpec,
     prompts: list[str],
     timed_hooks: bool = False,
@@ -396,17 +395,15 @@ def run_setup(
         print(f"\n== {setup}: skipped ({exc})", flush=True)
         return SetupReport(setup, "skipped", str(exc))
     print(f"\n== {setup}: starting 1 prefill + 1 decode (eager mode)", flush=True)
-    config = bench_pair(
-        model, setup, args.workdir, label, args.port, args.kv_port, timed_hooks=timed_hooks
-    )
+    config = pair.topology(setup, label, timed_hooks)
     topology = Topology(config)
     for spec in topology.specs:
         print(f"  [{setup}] {spec.name} on {spec.url}, log {spec.log_path}", flush=True)
     try:
         topology.start()
-        took = topology.wait_healthy(args.startup_timeout, StartupProgress(f"[{setup}] "))
+        took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))
         print(f"  [{setup}] servers healthy after {took:.0f} s", flush=True)
-        report = asyncio.run(_drive(topology, setup, args.port, load, prompts))
+        report = asyncio.run(_drive(topology, setup, pair.port, load, prompts))
         report.startup_s = took
         if timed_hooks:
             time.sleep(1.0)  # the ledgers are written every half second
@@ -587,6 +584,13 @@ def run_all(
     prompts = make_prompts(
         load.requests, load.input_len, load.seed, lambda text: len(tokenizer.encode(text).ids)
     )
-    reports = [run_setup(setup, model, args, load, prompts, timed_hooks, label) for setup in setups]
+    pair = PairSettings(
+        model,
+        workdir=args.workdir,
+        port=args.port,
+        kv_port=args.kv_port,
+        startup_timeout=args.startup_timeout,
+    )
+    reports = [run_setup(setup, pair, load, prompts, timed_hooks, label) for setup in setups]
     print(f"\nkvpush {label}: done in {time.monotonic() - started:.0f} s\n")
     return reports, load

@@ -169,6 +169,7 @@ def profile_params(args: argparse.Namespace) -> tuple[SimParams, tuple[Mode, ...
 
 def run_measure(args: argparse.Namespace) -> int:
     from kvpush.plan.measure import MeasureSpec, measure
+    from kvpush.testbed.topology import PairSettings
 
     try:
         lens = [int(n) for n in args.input_lens.split(",") if n.strip()]
@@ -176,21 +177,23 @@ def run_measure(args: argparse.Namespace) -> int:
         if len(outs) != 2:
             raise PlannerError("--output-lens takes exactly two lengths, e.g. 16,80")
         spec = MeasureSpec(
-            model=args.model,
+            pair=PairSettings(
+                model=args.model,
+                workdir=args.workdir,
+                port=args.port,
+                kv_port=args.kv_port,
+                max_num_seqs=args.max_num_seqs,
+                kv_cache_gib=args.kv_cache_gib,
+                startup_timeout=args.startup_timeout,
+            ),
             setups=[s.strip() for s in args.setups.split(",") if s.strip()],
             input_lens=lens,
             out=args.out,
-            max_num_seqs=args.max_num_seqs,
             output_lens=(outs[0], outs[1]),
             prefill_requests=args.prefill_requests,
             decode_rounds=args.decode_rounds,
             hook_requests=args.hook_requests,
-            port=args.port,
             proxy_port=args.proxy_port,
-            kv_port=args.kv_port,
-            kv_cache_gib=args.kv_cache_gib,
-            workdir=args.workdir,
-            startup_timeout=args.startup_timeout,
         )
         profile = measure(
             spec,

@@ -57,7 +57,7 @@ from kvpush.plan.model_config import read_model
 if TYPE_CHECKING:
     import aiohttp
 
-    from kvpush.testbed.topology import Topology
+    from kvpush.testbed.topology import PairSettings, Topology
 
 Say = Callable[[str], None]
 
@@ -73,21 +73,15 @@ MEMCPY_GBPS = 19.8
 
 @dataclass(slots=True)
 class MeasureSpec:
-    model: Path
+    pair: PairSettings
     setups: list[str]
     input_lens: list[int]
     out: Path
-    max_num_seqs: int = 8
     output_lens: tuple[int, int] = (16, 80)
     prefill_requests: int = 16
     decode_rounds: int = 5
     hook_requests: int = 6
-    port: int = 8000
     proxy_port: int | None = None
-    kv_port: int = 5600
-    kv_cache_gib: float = 1.0
-    workdir: Path = Path(".kvpush")
-    startup_timeout: float = 300.0
     request_timeout: float = 60.0
     seed: int = 0
 
@@ -105,7 +99,9 @@ class MeasureSpec:
         short, long = self.output_lens
         if not 2 <= short < long:
             raise PlannerError("--output-lens: two lengths, the first >= 2 and below the second")
-        for name in ("max_num_seqs", "prefill_requests", "decode_rounds", "hook_requests"):
+        if self.pair.max_num_seqs < 1:
+            raise PlannerError("--max-num-seqs must be at least 1")
+        for name in ("prefill_requests", "decode_rounds", "hook_requests"):
             if getattr(self, name) < 1:
                 raise PlannerError(f"--{name.replace('_', '-')} must be at least 1")
 
@@ -151,12 +147,12 @@ class Prober:
 
     def __init__(self, spec: MeasureSpec, topology: Topology, say: Say) -> None:
         self.spec, self.topology, self.say = spec, topology, say
-        self.model = str(spec.model)
+        self.model = str(spec.pair.model)
         self.prefill_url = topology.prefill[0].url
         self.decode_url = topology.decode[0].url
         from transformers import AutoTokenizer
 
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(spec.model))
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(spec.pair.model))
 
     def prompts(self, count: int, input_len: int, salt: int) -> list[str]:
         """Prompts of exactly `input_len` tokens, made as `vllm bench serve --dataset-name
@@ -344,7 +340,7 @@ class Prober:
                     f"front end {prefill[n][1]:.2f} ms"
                 )
                 steps[n] = {}
-                for batch in sorted({1, spec.max_num_seqs}):
+                for batch in sorted({1, spec.pair.max_num_seqs}):
                     steps[n][batch], engine_steps[f"{n}x{batch}"] = await self.decode_step(
                         session, n, batch
                     )
@@ -355,7 +351,7 @@ class Prober:
                     )
             idle_after = hook_seconds(self.hooks("decode-0"), "start_load_kv")
             idle = (idle_after[0] - idle_before[0], idle_after[1] - idle_before[1])
-            port = spec.proxy_port or spec.port
+            port = spec.proxy_port or spec.pair.port
             runner = await start_topology_proxy(
                 self.topology,
                 port,
@@ -392,19 +388,9 @@ class Prober:
 
 
 def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
-    from kvpush.testbed.topology import StartupError, StartupProgress, Topology, bench_pair
+    from kvpush.testbed.topology import StartupError, StartupProgress, Topology
 
-    config = bench_pair(
-        spec.model,
-        setup,
-        spec.workdir,
-        "plan-measure",
-        spec.port,
-        spec.kv_port,
-        max_num_seqs=spec.max_num_seqs,
-        kv_cache_gib=spec.kv_cache_gib,
-        timed_hooks=True,
-    )
+    config = spec.pair.topology(setup, "plan-measure", timed_hooks=True)
     import aiohttp
 
     topology = Topology(config)
@@ -414,7 +400,7 @@ def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     try:
         topology.start()
-        took = topology.wait_healthy(spec.startup_timeout, StartupProgress(f"[{setup}] "))
+        took = topology.wait_healthy(spec.pair.startup_timeout, StartupProgress(f"[{setup}] "))
         say(f"  [{setup}] servers healthy after {took:.0f} s")
         probe = asyncio.run(Prober(spec, topology, say).run(setup))
     except StartupError as exc:
@@ -446,8 +432,8 @@ def measure(
     """Measure every setup not already in `spec.out` (all of them with `redo`), saving the
     profile after each one, so an interrupted run resumes where it stopped."""
     profile = MachineProfile(
-        kv_bytes_per_token=read_model(spec.model).shape.kv_bytes_per_token,
-        max_num_seqs=spec.max_num_seqs,
+        kv_bytes_per_token=read_model(spec.pair.model).shape.kv_bytes_per_token,
+        max_num_seqs=spec.pair.max_num_seqs,
         link_gbps=link_gbps,
         memory_gbps=memory_gbps,
         proxy_added_ms=dict(proxy_added_ms),
@@ -455,7 +441,7 @@ def measure(
         provenance={
             "command": " ".join(command),
             "cores": len(os.sched_getaffinity(0)),
-            "model": str(spec.model),
+            "model": str(spec.pair.model),
             "proxy_added_ms": "kvpush proxy bench --streams 1 (p50 added TTFT), unless "
             "--proxy-added-ms was given",
             "link_gbps": "NIXL DRAM->DRAM WRITE, ../shared/ENVIRONMENT.md",
@@ -464,7 +450,7 @@ def measure(
     )
     if spec.out.exists() and not redo:
         done = load_profile(spec.out)
-        if done.max_num_seqs != spec.max_num_seqs or done.proxy_added_ms != proxy_added_ms:
+        if done.max_num_seqs != spec.pair.max_num_seqs or done.proxy_added_ms != proxy_added_ms:
             raise PlannerError(
                 f"{spec.out} was measured with other settings; pass --redo or another --out"
             )

@@ -26,6 +26,7 @@ from kvpush.plan.machine import (
 from kvpush.plan.measure import MeasureSpec, histogram_mean_ms, submit_beyond_idle
 from kvpush.plan.model import PlannerError
 from kvpush.plan.simulate import simulate
+from kvpush.testbed.topology import PairSettings
 
 
 def probe(
@@ -259,6 +260,8 @@ def test_measure_helpers() -> None:
     # 10 handed-off requests: 30 ms over 110 calls, where an idle call costs 0.1 ms
     assert submit_beyond_idle((0.030, 110), (0.010, 100), 10) == pytest.approx(1.9)
     with pytest.raises(PlannerError, match="--setups: unknown setup nope"):
-        MeasureSpec(Path("m"), ["nope"], [256], Path("o.json"))
+        MeasureSpec(PairSettings(Path("m")), ["nope"], [256], Path("o.json"))
     with pytest.raises(PlannerError, match="--output-lens"):
-        MeasureSpec(Path("m"), ["kvpush-push"], [256], Path("o.json"), output_lens=(8, 8))
+        MeasureSpec(
+            PairSettings(Path("m")), ["kvpush-push"], [256], Path("o.json"), output_lens=(8, 8)
+        )

@@ -14,6 +14,7 @@ from kvpush.proxy.server import PROXY_KEY
 from kvpush.testbed.model import TinyModelSpec, build_tiny_model, ensure_tiny_model
 from kvpush.testbed.topology import (
     SETUPS,
+    PairSettings,
     Topology,
     TopologyConfig,
     assign_cores,
@@ -164,3 +165,20 @@ async def test_the_proxy_in_front_of_a_topology_has_its_mode_and_servers(tmp_pat
         assert local_url(port) == f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+def test_every_benchmark_pair_is_eager_with_logs_per_label_and_one_compile_cache(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    pair = PairSettings(tmp_path, workdir=tmp_path / "w", port=9000, extra_env={"X": "1"})
+    config = pair.topology("kvpush-push", "sweep", timed_hooks=True)
+    assert (config.setup, config.port, config.eager, config.timed_hooks) == (
+        "kvpush-push",
+        9000,
+        True,
+        True,
+    )
+    assert config.workdir == tmp_path / "w" / "sweep" / "kvpush-push"
+    cache = str((tmp_path / "w" / "vllm-cache").resolve())
+    assert config.extra_env == {"VLLM_CACHE_ROOT": cache, "X": "1"}
