@@ -205,7 +205,7 @@ async def drive(
 
 
 def _serve_stubs(conn: Connection, tokens: int, token_gap: float) -> None:
-    from kvpush.proxy.cli import use_uvloop
+    from kvpush.proxy.server import use_uvloop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     use_uvloop()
@@ -223,7 +223,7 @@ async def _stubs(conn: Connection, tokens: int, token_gap: float) -> None:
 
 
 def _serve_proxy(conn: Connection, mode: str, prefill_url: str, decode_url: str) -> None:
-    from kvpush.proxy.cli import use_uvloop
+    from kvpush.proxy.server import use_uvloop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     use_uvloop()
@@ -468,7 +468,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpush proxy bench: {exc}", file=sys.stderr)
         return 2
-    from kvpush.proxy.cli import use_uvloop
+    from kvpush.proxy.server import use_uvloop
 
     use_uvloop()
     load = os.getloadavg()[0]

@@ -283,18 +283,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpush proxy: {exc} (see kvpush proxy -h)", file=sys.stderr)
         return 2
+    from kvpush.proxy.server import use_uvloop
+
     use_uvloop()
     return asyncio.run(_serve(config, args.host, args.port))
-
-
-def use_uvloop() -> None:
-    """Run asyncio on uvloop when it is installed (faster parsing and scheduling)."""
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
 
 
 def describe(config: Any) -> str:

@@ -1080,3 +1080,13 @@ async def start_proxy(config: ProxyConfig, host: str, port: int) -> web.AppRunne
         await runner.cleanup()  # the health checks started with the app; stop them
         raise
     return runner
+
+
+def use_uvloop() -> None:
+    """Run asyncio on uvloop when it is installed (faster parsing and scheduling)."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
