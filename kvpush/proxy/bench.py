@@ -231,8 +231,9 @@ def _serve_proxy(conn: Connection, mode: str, prefill_url: str, decode_url: str)
 
 
 async def _proxy(conn: Connection, mode: str, prefill_url: str, decode_url: str) -> None:
+    from kvpush.proxy.config import ProxyConfig
     from kvpush.proxy.rewrite import Backend
-    from kvpush.proxy.server import ProxyConfig, start_proxy
+    from kvpush.proxy.server import start_proxy
 
     config = ProxyConfig(
         mode=mode,

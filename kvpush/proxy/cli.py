@@ -237,8 +237,8 @@ def policy(name: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from kvpush.proxy.config import ProxyConfig
     from kvpush.proxy.fleet import read_fleet
-    from kvpush.proxy.server import ProxyConfig
 
     if not args.mode:
         raise ValueError("--mode push or --mode pull is required")

@@ -16,7 +16,7 @@ from kvpush.testbed.topology import SETUPS, StartupError, Topology
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from kvpush.proxy.server import ProxyConfig
+    from kvpush.proxy.config import ProxyConfig
 
 
 def local_url(port: int) -> str:
@@ -25,7 +25,7 @@ def local_url(port: int) -> str:
 
 def topology_proxy_config(topology: Topology, **settings: Any) -> ProxyConfig:
     """The proxy's configuration for `topology`; `settings` are ProxyConfig's other fields."""
-    from kvpush.proxy.server import ProxyConfig
+    from kvpush.proxy.config import ProxyConfig
 
     prefill, decode = topology.proxy_backends()
     mode = SETUPS[topology.config.setup or ""].proxy_mode

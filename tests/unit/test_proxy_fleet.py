@@ -17,8 +17,9 @@ import aiohttp
 import pytest
 
 from kvpush.proxy.cli import config_from_args, register
+from kvpush.proxy.config import ProxyConfig
 from kvpush.proxy.rewrite import Backend
-from kvpush.proxy.server import PROXY_KEY, Proxy, ProxyConfig, start_proxy
+from kvpush.proxy.server import PROXY_KEY, Proxy, start_proxy
 from kvpush.proxy.stub import StubBackend, StubBehaviour, serve_stub
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 8, "temperature": 0}
