@@ -39,6 +39,7 @@ from kvpush.testbed.topology import (
     StartupError,
     StartupProgress,
     Topology,
+    check_setups,
     hook_dir,
     resolve_setup,
 )
@@ -280,12 +281,7 @@ def root_cause(log: str) -> str:
 def setups_to_run(requested: str | None) -> list[str]:
     """The setups to run, in order; raises ValueError naming an unknown one."""
     names = [n.strip() for n in (requested or ",".join(MAIN_SETUPS)).split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETUPS]
-    if unknown or not names:
-        raise ValueError(
-            f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
-            f"choose from {', '.join(SETUPS)}"
-        )
+    check_setups(names)
     return names
 
 

@@ -35,11 +35,11 @@ from kvpush.bench import results as res
 from kvpush.bench.results import Point
 from kvpush.testbed import scrape
 from kvpush.testbed.topology import (
-    SETUPS,
     PairSettings,
     StartupError,
     StartupProgress,
     Topology,
+    check_setups,
 )
 from kvpush.testbed.topology_proxy import local_url, start_topology_proxy, warm_up
 
@@ -67,12 +67,7 @@ class SweepSpec:
     retry_failed: bool = False
 
     def __post_init__(self) -> None:
-        unknown = [s for s in self.setups if s not in SETUPS]
-        if unknown or not self.setups:
-            raise ValueError(
-                f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
-                f"choose from {', '.join(SETUPS)}"
-            )
+        check_setups(self.setups)
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError("--rates: give one or more request rates > 0 (requests/s)")
         if not self.input_lens or any(n < 1 for n in self.input_lens):

@@ -86,14 +86,12 @@ class MeasureSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from kvpush.testbed.topology import SETUPS
+        from kvpush.testbed.topology import check_setups
 
-        unknown = [s for s in self.setups if s not in SETUPS]
-        if unknown or not self.setups:
-            raise PlannerError(
-                f"--setups: unknown setup {', '.join(unknown) or '(none)'}; choose from "
-                f"{', '.join(SETUPS)}"
-            )
+        try:
+            check_setups(self.setups)
+        except ValueError as exc:
+            raise PlannerError(str(exc)) from None
         if not self.input_lens or any(n < 1 for n in self.input_lens):
             raise PlannerError("--input-lens: give one or more prompt lengths >= 1")
         short, long = self.output_lens

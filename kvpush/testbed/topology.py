@@ -111,6 +111,16 @@ SETUPS: dict[str, ConnectorSetup] = {
 MAIN_SETUPS = ("vllm-pull", "vllm-push", "kvpush-push", "kvpush-pull")
 
 
+def check_setups(names: Sequence[str]) -> None:
+    """Raise ValueError, worded for --setups, unless `names` are one or more known setups."""
+    unknown = [n for n in names if n not in SETUPS]
+    if unknown or not names:
+        raise ValueError(
+            f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
+            f"choose from {', '.join(SETUPS)}"
+        )
+
+
 def resolve_setup(name: str) -> ConnectorSetup:
     if name not in SETUPS:
         raise ValueError(f"unknown connector setup {name!r}; choose from {', '.join(SETUPS)}")
