@@ -7,7 +7,9 @@
   "--enable-prefix-caching"`), where plain argparse would read the value as an unknown
   option and say "expected one argument".
 - argparse types that check a number where it is parsed, so the error names the flag and
-  the range: `port_number`, `positive`, `non_negative`, `at_least`.
+  the range: `port_number`, `positive`, `non_negative`, `at_least`, and for a
+  comma-separated list `positive_numbers` (`positive_list` checks such a list elsewhere).
+- `UsageError`: input a command cannot use, its message naming the flag or file to fix.
 - `cannot_write`: the one-line description of a path a command could not write.
 """
 
@@ -18,6 +20,10 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+
+class UsageError(ValueError):
+    """Input a command cannot use; the message names the flag or file to fix."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -124,6 +130,29 @@ def non_negative() -> Callable[[str], float]:
 def at_least(minimum: int) -> Callable[[str], int]:
     """A whole number of at least `minimum` (counts)."""
     return _checked(int, lambda v: v >= minimum, f"must be at least {minimum}")
+
+
+def positive_list(kind: type[int] | type[float], flag: str, text: str) -> list[Any]:
+    """Comma-separated positive numbers of a flag such as --rates; UsageError names the fix."""
+    try:
+        values = [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated numbers (got {text!r})") from None
+    if not values or any(not value > 0 or not math.isfinite(value) for value in values):
+        raise UsageError(f"{flag} needs positive numbers (got {text!r}), e.g. {flag} 1,2,4,8")
+    return values
+
+
+def positive_numbers(kind: type[int] | type[float], flag: str) -> Callable[[str], list[Any]]:
+    """An argparse type for a comma-separated list, checked as `positive_list` checks it."""
+
+    def parse(text: str) -> list[Any]:
+        try:
+            return positive_list(kind, flag, text)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def cannot_write(exc: OSError, path: Path | str) -> str:

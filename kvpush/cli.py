@@ -21,7 +21,7 @@ from kvpush.extras import missing_module_hint, precheck
 from kvpush.vllm.preflight import SUPPORTED_VLLM, EnvironmentProblem
 
 TOOLS = (
-    "kvpush.testbed.model",
+    "kvpush.testbed.model_cli",
     "kvpush.testbed.up",
     "kvpush.bench.demo",
     "kvpush.proxy.cli",

@@ -18,17 +18,21 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpush.args import at_least, cannot_write, port_number, positive
-from kvpush.bench import plot, results, sweep
-from kvpush.plan.cli import format_table, positive_list
-from kvpush.plan.model import PlanError
-from kvpush.testbed import demo
+from kvpush.args import (
+    at_least,
+    cannot_write,
+    port_number,
+    positive,
+    positive_list,
+    positive_numbers,
+)
+from kvpush.bench import compare, plot, results, sweep
+from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
-from kvpush.testbed.topology import MAIN_SETUPS, SETUPS
+from kvpush.testbed.topology import MAIN_SETUPS, SETUPS, PairSettings
 
 
 def register(subparsers: Any) -> None:
@@ -47,17 +51,17 @@ def register(subparsers: Any) -> None:
         epilog=HOOKS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_arguments(hooks)
+    compare.add_arguments(hooks)
     hooks.set_defaults(func=run_hooks)
-    compare = tools.add_parser(
+    comparer = tools.add_parser(
         "compare",
         help="the same prompts through every setup: TTFT/TPOT and whether the text agrees",
-        description=demo.__doc__,
+        description=compare.__doc__,
         epilog=COMPARE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_arguments(compare)
-    compare.set_defaults(func=demo.run)
+    compare.add_arguments(comparer)
+    comparer.set_defaults(func=compare.run)
     sweeper = tools.add_parser(
         "sweep",
         help="vllm bench serve over rates x input lengths for each setup, interleaved",
@@ -116,18 +120,6 @@ SWEEP_EPILOG = """example (about 40 minutes here):
 setups: {}
 Interrupt it at any time: run the same command again and it resumes.
 """.format(", ".join(SETUPS))
-
-
-def positive_numbers(kind: type[int] | type[float], flag: str) -> Callable[[str], list[Any]]:
-    """An argparse type for a comma-separated list, checked like `kvpush plan`'s."""
-
-    def parse(text: str) -> list[Any]:
-        try:
-            return positive_list(kind, flag, text)
-        except PlanError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse
 
 
 def add_sweep_arguments(
@@ -244,18 +236,20 @@ def sweep_spec(args: argparse.Namespace) -> sweep.SweepSpec:
         num_prompts=args.num_prompts,
         iterations=args.iterations,
         out=args.out,
-        model=model,
-        workdir=args.workdir,
-        port=args.port,
-        kv_port=args.kv_port,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib,
+        pair=PairSettings(
+            model=model,
+            workdir=args.workdir,
+            port=args.port,
+            kv_port=args.kv_port,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_gib=args.kv_cache_gib,
+            prefix_caching=args.prefix_caching,
+            startup_timeout=args.startup_timeout,
+        ),
         seed=args.seed,
         request_timeout=args.request_timeout,
         run_timeout=args.run_timeout,
-        startup_timeout=args.startup_timeout,
         retry_failed=args.retry_failed,
-        prefix_caching=args.prefix_caching,
     )
 
 
@@ -329,7 +323,7 @@ def hook_totals(ledger: dict[str, Any], role: str) -> tuple[float, int]:
     return sum(part.get("seconds", {}).values()), sum(part.get("calls", {}).values())
 
 
-def hook_rows(reports: list[demo.SetupReport], requests: int) -> list[list[str]]:
+def hook_rows(reports: list[compare.SetupReport], requests: int) -> list[list[str]]:
     rows = []
     for report in reports:
         if not report.hooks:
@@ -343,15 +337,15 @@ def hook_rows(reports: list[demo.SetupReport], requests: int) -> list[list[str]]
             steps = ledger.get("worker", {}).get("calls", {}).get("start_load_kv", 0)
             cells.append(f"{1e3 * (worker_s + sched_s) / requests:.3f}")
             cells.append(f"{1e6 * worker_s / steps:.1f}" if steps else "-")
-        summary = demo.summarise(report.results)
-        cells.append(demo.format_ms(summary.ttft_p50_s))
-        cells.append(demo.format_ms(summary.tpot_p50_s))
+        summary = compare.summarise(report.results)
+        cells.append(compare.format_ms(summary.ttft_p50_s))
+        cells.append(compare.format_ms(summary.tpot_p50_s))
         rows.append(cells)
     return rows
 
 
 def run_hooks(args: argparse.Namespace) -> int:
-    measured = demo.run_all(args, timed_hooks=True, label="bench-hooks")
+    measured = compare.run_all(args, timed_hooks=True, label="bench-hooks")
     if isinstance(measured, int):
         return measured
     reports, load = measured

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvpush.bench.results import Aggregate
-from kvpush.plan.cli import format_table
+from kvpush.report import format_table
 
 SHIPPED = ("vllm-pull", "vllm-push")
 METRICS = ("ttft_p50", "tpot_p50")

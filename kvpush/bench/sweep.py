@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +35,13 @@ from kvpush.bench import results as res
 from kvpush.bench.results import Point
 from kvpush.testbed import scrape
 from kvpush.testbed.topology import (
-    SETUPS,
+    PairSettings,
     StartupError,
     StartupProgress,
     Topology,
-    bench_pair,
+    check_setups,
 )
+from kvpush.testbed.topology_proxy import local_url, start_topology_proxy, warm_up
 
 # Counters kept as deltas over a run, besides every kvpush:* sample.
 VLLM_COUNTERS = (
@@ -59,27 +60,14 @@ class SweepSpec:
     num_prompts: int
     iterations: int
     out: Path
-    model: Path
-    workdir: Path = Path(".kvpush")
-    port: int = 8000
-    kv_port: int = 5600
-    max_num_seqs: int = 8
-    kv_cache_gib: float = 1.0
+    pair: PairSettings
     seed: int = 0
     request_timeout: float = 60.0
     run_timeout: float | None = None
-    startup_timeout: float = 300.0
     retry_failed: bool = False
-    prefix_caching: bool = True
-    extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = [s for s in self.setups if s not in SETUPS]
-        if unknown or not self.setups:
-            raise ValueError(
-                f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
-                f"choose from {', '.join(SETUPS)}"
-            )
+        check_setups(self.setups)
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError("--rates: give one or more request rates > 0 (requests/s)")
         if not self.input_lens or any(n < 1 for n in self.input_lens):
@@ -117,9 +105,9 @@ def bench_command(spec: SweepSpec, point: Point, url: str, raw_dir: Path) -> lis
         "--endpoint",
         "/v1/completions",
         "--model",
-        str(spec.model),
+        str(spec.pair.model),
         "--tokenizer",
-        str(spec.model),
+        str(spec.pair.model),
         "--dataset-name",
         "random",
         "--random-input-len",
@@ -174,7 +162,7 @@ class ProxyThread:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return local_url(self.port)
 
     def __enter__(self) -> ProxyThread:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,13 +190,9 @@ class ProxyThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            from kvpush.proxy.server import ProxyConfig, start_proxy
-
-            prefill, decode = self.topology.proxy_backends()
-            config = ProxyConfig(
-                mode=SETUPS[self.topology.config.setup or ""].proxy_mode,
-                prefill=prefill,
-                decode=decode,
+            starting = start_topology_proxy(
+                self.topology,
+                self.port,
                 request_timeout=self.request_timeout,
                 # A vLLM server on a saturated CPU can take seconds to answer /health;
                 # ejecting it would abort the very requests being measured. Only a server
@@ -216,7 +200,7 @@ class ProxyThread:
                 health_timeout=10.0,
                 eject_after=10,
             )
-            self.runner = self.loop.run_until_complete(start_proxy(config, "127.0.0.1", self.port))
+            self.runner = self.loop.run_until_complete(starting)
         except Exception as exc:  # reported by __enter__, in the sweep's own thread
             self.error = exc
         finally:
@@ -383,9 +367,9 @@ def record_head(spec: SweepSpec, point: Point) -> dict[str, Any]:
         "output_len": point.output_len,
         "iteration": point.iteration,
         "num_prompts": spec.num_prompts,
-        "max_num_seqs": spec.max_num_seqs,
-        "prefix_caching": spec.prefix_caching,
-        "model": str(spec.model),
+        "max_num_seqs": spec.pair.max_num_seqs,
+        "prefix_caching": spec.pair.prefix_caching,
+        "model": str(spec.pair.model),
         "seed": spec.seed,
     }
 
@@ -501,27 +485,14 @@ def run_group(
     written: list[dict[str, Any]] = []
     queue = list(points)
     while queue:
-        config = bench_pair(
-            spec.model,
-            setup,
-            spec.workdir,
-            "sweep",
-            spec.port,
-            spec.kv_port,
-            max_num_seqs=spec.max_num_seqs,
-            kv_cache_gib=spec.kv_cache_gib,
-            extra_env=spec.extra_env,
-            prefix_caching=spec.prefix_caching,
-        )
-        topology = Topology(config)
+        pair = spec.pair
+        topology = Topology(pair.topology(setup, "sweep"))
         try:
             topology.start()
-            took = topology.wait_healthy(spec.startup_timeout, StartupProgress(f"[{setup}] "))
+            took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))
             say(f"  [{setup}] servers healthy after {took:.0f} s")
-            with ProxyThread(topology, spec.port, spec.request_timeout) as proxy:
-                from kvpush.testbed.up import warm_up
-
-                error = asyncio.run(warm_up(proxy.url, str(spec.model)))
+            with ProxyThread(topology, pair.port, spec.request_timeout) as proxy:
+                error = asyncio.run(warm_up(proxy.url, str(pair.model)))
                 if error:
                     reason = f"warm-up through the proxy failed: {error}"
                     say(f"  [{setup}] {reason}")

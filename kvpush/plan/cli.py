@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvpush.args import UsageError, positive_list
+from kvpush.core.protocol import MODES, Mode
 from kvpush.plan import machine_cli
 from kvpush.plan.model import (
     DTYPE_BYTES,
@@ -23,8 +25,8 @@ from kvpush.plan.model import (
     DenseFlops,
     ModelShape,
     Plan,
-    PlanError,
     PlanInputs,
+    PlannerError,
     PrefillSpeed,
     make_plan,
 )
@@ -32,17 +34,17 @@ from kvpush.plan.model_config import read_model
 from kvpush.plan.simulate import (
     H200_BF16_DENSE_TFLOPS,
     H200_HBM_TBPS,
-    MODES,
+    MODE_ORDER,
     PR45211_PROMPT_TOKENS,
     PR45211_SUBMIT_MS,
     PREFILL_MFU,
     QWEN3_32B_FLOPS,
     QWEN3_32B_SHAPE,
-    Mode,
     RunResult,
     SimParams,
     sweep,
 )
+from kvpush.report import format_table, pyplot, save_figure
 
 PRESETS: dict[str, tuple[ModelShape, DenseFlops]] = {
     "articles": (QWEN3_32B_SHAPE, QWEN3_32B_FLOPS),
@@ -78,17 +80,6 @@ examples:
   kvpush plan --preset articles --tpot-ms pull=10.4,push=7.0 --json"""
 
 
-def positive_list(kind: type[int] | type[float], flag: str, text: str) -> list[Any]:
-    """Comma-separated positive numbers of a flag such as --rates; PlanError names the fix."""
-    try:
-        values = [kind(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise PlanError(f"{flag} takes comma-separated numbers (got {text!r})") from None
-    if not values or any(not value > 0 or not math.isfinite(value) for value in values):
-        raise PlanError(f"{flag} needs positive numbers (got {text!r}), e.g. {flag} 1,2,4,8")
-    return values
-
-
 def _tpot_list(text: str) -> tuple[tuple[str, float], ...]:
     items = []
     for item in (part.strip() for part in text.split(",")):
@@ -98,7 +89,7 @@ def _tpot_list(text: str) -> tuple[tuple[str, float], ...]:
         try:
             tpot = float(value)
         except ValueError:
-            raise PlanError(
+            raise PlannerError(
                 f"--tpot-ms item {item!r} is not a number; write e.g. pull=10.4,push=7.0"
             ) from None
         items.append((label.strip() or f"{tpot:g} ms", tpot))
@@ -110,7 +101,7 @@ def _modes(text: str) -> tuple[Mode, ...]:
     try:
         return tuple(names[item.strip()] for item in text.split(","))
     except KeyError as exc:
-        raise PlanError(
+        raise PlannerError(
             f"--modes item {exc.args[0]!r} is unknown; use pull, push or pull,push"
         ) from None
 
@@ -120,7 +111,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelShape, DenseFlops | No
     shape: ModelShape | None = None
     flops: DenseFlops | None = None
     if args.model is not None and args.preset is not None:
-        raise PlanError("--model and --preset both name a model; pass only one of them")
+        raise PlannerError("--model and --preset both name a model; pass only one of them")
     if args.model is not None:
         found = read_model(args.model, args.dtype)
         shape, flops = found.shape, found.flops
@@ -137,7 +128,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelShape, DenseFlops | No
             if name not in flags
         ]
         if missing:
-            raise PlanError(
+            raise PlannerError(
                 f"missing {', '.join(missing)}; pass --model CONFIG.json, all of "
                 "--layers/--kv-heads/--head-dim/--dtype, or --preset articles"
             )
@@ -349,7 +340,7 @@ def register(subparsers: Any) -> None:
     machine_cli.register(nested)
 
 
-def _fail(exc: PlanError) -> int:
+def _fail(exc: UsageError) -> int:
     print(f"kvpush plan: error: {exc}", file=sys.stderr)
     return 2
 
@@ -360,20 +351,6 @@ def _bytes(n: float) -> str:
     if n >= 1e6:
         return f"{n / 1e6:.2f} MB"
     return f"{n / KIB:.1f} KiB"
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns padded to their widest cell; the first column left, the rest right-aligned."""
-    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(headers), *(line(row) for row in rows)])
 
 
 def render_plan(plan: Plan) -> str:
@@ -450,7 +427,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 target_util=args.target_util,
             )
         )
-    except PlanError as exc:
+    except UsageError as exc:
         return _fail(exc)
     if args.json:
         print(json.dumps(_jsonable(dataclasses.asdict(plan)), indent=2))
@@ -469,7 +446,7 @@ def sim_params(args: argparse.Namespace) -> SimParams:
         attn = prefill.attn_tokens if args.prefill_attn_tokens is None else args.prefill_attn_tokens
         prefill = PrefillSpeed(prefill.tokens_per_s, attn, fixed_s)
     else:
-        raise PlanError(
+        raise PlannerError(
             "cannot derive prefill speed from the shape flags alone (or from a mixture-of-"
             "experts config); pass --prefill-tok-s (measured prompt tokens/s), or --model "
             "with a dense config.json"
@@ -546,34 +523,12 @@ def render_results(params: SimParams, results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def pyplot() -> Any:
-    """matplotlib's pyplot drawing to files only, or a PlanError that names the fix."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlanError("--plot needs matplotlib: pip install 'kvpush[bench]'") from None
-    return plt
-
-
-def save_figure(plt: Any, fig: Any, path: str) -> None:
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise PlanError(f"cannot write --plot {path!r}: {exc.strerror}") from None
-    finally:
-        plt.close(fig)
-
-
 def plot_results(results: Sequence[RunResult], path: str) -> None:
     """TTFT (top) and TPOT (bottom) vs rate, as `kvpush bench plot` draws a sweep: p50
     solid, p99 dashed, one column per input length, one colour per mode."""
     plt = pyplot()
     lens = sorted({r.input_len for r in results})
-    modes = [mode for mode in MODES if any(r.mode == mode for r in results)]
+    modes = [mode for mode in MODE_ORDER if any(r.mode == mode for r in results)]
     fig, axes = plt.subplots(2, len(lens), figsize=(4.5 * len(lens), 7), squeeze=False)
     colours = plt.get_cmap("tab10")
     for col, input_len in enumerate(lens):
@@ -606,7 +561,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.profile is not None:
             params, modes = machine_cli.profile_params(args)
         elif args.setup is not None:
-            raise PlanError("--setup names a setup of a --profile; pass --profile too")
+            raise PlannerError("--setup names a setup of a --profile; pass --profile too")
         else:
             params, modes = sim_params(args), _modes(args.modes)
         rates = positive_list(float, "--rates", args.rates)
@@ -618,7 +573,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         results = sweep(params, rates, lens, modes, progress=progress)
         if args.plot:
             plot_results(results, args.plot)
-    except PlanError as exc:
+    except UsageError as exc:
         return _fail(exc)
     if args.json:
         body = {

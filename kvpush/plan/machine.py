@@ -38,8 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.plan.model import PlanError, PrefillSpeed
-from kvpush.plan.simulate import Mode, SimParams, simulate
+from kvpush.core.protocol import Mode
+from kvpush.plan.model import PlannerError, PrefillSpeed
+from kvpush.plan.simulate import SimParams, simulate
 
 SCHEMA = "kvpush.plan.profile/1"
 # The simulator's hops per request in each mode (client -> proxy -> prefill, and for pull
@@ -108,7 +109,7 @@ class SetupProbe:
     def from_json(cls, setup: str, data: Mapping[str, Any]) -> SetupProbe:
         mode = data["mode"]
         if mode not in HOPS:
-            raise PlanError(f"profile: setup {setup!r} has unknown mode {mode!r}")
+            raise PlannerError(f"profile: setup {setup!r} has unknown mode {mode!r}")
         return cls(
             setup=setup,
             mode=mode,
@@ -142,7 +143,7 @@ class MachineProfile:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> MachineProfile:
         if data.get("schema") != SCHEMA:
-            raise PlanError(
+            raise PlannerError(
                 f"not a machine profile (schema {data.get('schema')!r}, want {SCHEMA!r}); "
                 "write one with `kvpush plan measure`"
             )
@@ -163,7 +164,7 @@ class MachineProfile:
             return self.setups[name]
         except KeyError:
             known = ", ".join(sorted(self.setups)) or "none"
-            raise PlanError(
+            raise PlannerError(
                 f"the profile has no measurements of setup {name!r} (it has: {known}); "
                 f"run `kvpush plan measure --setups {name}`"
             ) from None
@@ -173,15 +174,17 @@ def load_profile(path: str | Path) -> MachineProfile:
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
-        raise PlanError(f"cannot read --profile {str(path)!r}: {exc.strerror}") from None
+        raise PlannerError(f"cannot read --profile {str(path)!r}: {exc.strerror}") from None
     except ValueError as exc:
-        raise PlanError(f"--profile {str(path)!r} is not valid JSON ({exc})") from None
+        raise PlannerError(f"--profile {str(path)!r} is not valid JSON ({exc})") from None
     try:
         return MachineProfile.from_json(data)
     except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, PlanError):
+        if isinstance(exc, PlannerError):
             raise
-        raise PlanError(f"--profile {str(path)!r} is incomplete or malformed ({exc!r})") from None
+        raise PlannerError(
+            f"--profile {str(path)!r} is incomplete or malformed ({exc!r})"
+        ) from None
 
 
 def save_profile(profile: MachineProfile, path: Path) -> None:
@@ -221,7 +224,7 @@ class StepFit:
         (noise on a busy machine) are dropped and the rest refitted."""
         rows = [(float(batch), float(batch * tokens), ms) for batch, tokens, ms in samples]
         if not rows:
-            raise PlanError("the profile has no decode step measurements")
+            raise PlannerError("the profile has no decode step measurements")
         terms = [0, 1, 2]  # base, per sequence, per context token
         while True:
             design = np.array([[1.0, b, c][t] for b, c, _ in rows for t in terms]).reshape(
@@ -257,11 +260,11 @@ def derive(profile: MachineProfile, setup: str) -> Derived:
     probe = profile.setup(setup)
     points = sorted(probe.points, key=lambda p: p.input_len)
     if not points:
-        raise PlanError(f"the profile has no points for setup {setup!r}")
+        raise PlannerError(f"the profile has no points for setup {setup!r}")
     lens = [p.input_len for p in points]
     prefill = Line.fit(lens, [p.prefill_ms for p in points])
     if prefill.slope <= 0:
-        raise PlanError(
+        raise PlannerError(
             f"setup {setup!r}: measured prefill time does not grow with prompt length "
             f"({', '.join(f'{p.prefill_ms:.2f}' for p in points)} ms at {lens} tokens); the "
             "machine was too noisy, run `kvpush plan measure` again"
@@ -286,7 +289,7 @@ def derive(profile: MachineProfile, setup: str) -> Derived:
     setup_ms = max(statistics.fmean(setups), 0.0) if setups else 0.0
     added = profile.proxy_added_ms.get(probe.mode)
     if added is None:
-        raise PlanError(f"the profile has no proxy latency for {probe.mode} mode")
+        raise PlannerError(f"the profile has no proxy latency for {probe.mode} mode")
     return Derived(prefill, front, step, max(submit, 0.0), setup_ms, added / HOPS[probe.mode])
 
 
@@ -433,7 +436,7 @@ def check(
     points = [p for p in measured_points(results) if p.setup in profile.setups]
     if not points:
         have = ", ".join(sorted({str(r["setup"]) for r in results})) or "none"
-        raise PlanError(
+        raise PlannerError(
             f"no result is of a setup the profile measured (results: {have}; profile: "
             f"{', '.join(sorted(profile.setups))})"
         )

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.args import port_number
+from kvpush.args import UsageError, port_number
+from kvpush.core.protocol import Mode
 from kvpush.plan.machine import (
     METRICS,
     CheckRow,
@@ -26,8 +27,9 @@ from kvpush.plan.machine import (
     load_profile,
     sim_params,
 )
-from kvpush.plan.model import PlanError
-from kvpush.plan.simulate import Mode, SimParams
+from kvpush.plan.model import PlannerError
+from kvpush.plan.simulate import SimParams
+from kvpush.report import format_table, pyplot, save_figure
 
 MEASURE_EPILOG = """\
 examples:
@@ -131,7 +133,7 @@ def register(nested: Any) -> None:
     c.set_defaults(func=run_check)
 
 
-def _fail(exc: PlanError) -> int:
+def _fail(exc: UsageError) -> int:
     print(f"kvpush plan: error: {exc}", file=sys.stderr)
     return 2
 
@@ -143,9 +145,9 @@ def _pairs(flag: str, text: str) -> dict[str, float]:
         try:
             pairs[key.strip()] = float(value)
         except ValueError:
-            raise PlanError(f"{flag} takes MODE=MS pairs, e.g. pull=3.0,push=3.8") from None
+            raise PlannerError(f"{flag} takes MODE=MS pairs, e.g. pull=3.0,push=3.8") from None
     if set(pairs) != {"pull", "push"}:
-        raise PlanError(f"{flag} needs both pull= and push= (got {text!r})")
+        raise PlannerError(f"{flag} needs both pull= and push= (got {text!r})")
     return pairs
 
 
@@ -153,7 +155,7 @@ def profile_params(args: argparse.Namespace) -> tuple[SimParams, tuple[Mode, ...
     """`plan simulate --profile P --setup S`: that setup's measured parameters."""
     profile = load_profile(args.profile)
     if args.setup is None:
-        raise PlanError(f"--profile needs --setup, one of: {', '.join(sorted(profile.setups))}")
+        raise PlannerError(f"--profile needs --setup, one of: {', '.join(sorted(profile.setups))}")
     params = sim_params(
         profile,
         args.setup,
@@ -167,28 +169,31 @@ def profile_params(args: argparse.Namespace) -> tuple[SimParams, tuple[Mode, ...
 
 def run_measure(args: argparse.Namespace) -> int:
     from kvpush.plan.measure import MeasureSpec, measure
+    from kvpush.testbed.topology import PairSettings
 
     try:
         lens = [int(n) for n in args.input_lens.split(",") if n.strip()]
         outs = [int(n) for n in args.output_lens.split(",") if n.strip()]
         if len(outs) != 2:
-            raise PlanError("--output-lens takes exactly two lengths, e.g. 16,80")
+            raise PlannerError("--output-lens takes exactly two lengths, e.g. 16,80")
         spec = MeasureSpec(
-            model=args.model,
+            pair=PairSettings(
+                model=args.model,
+                workdir=args.workdir,
+                port=args.port,
+                kv_port=args.kv_port,
+                max_num_seqs=args.max_num_seqs,
+                kv_cache_gib=args.kv_cache_gib,
+                startup_timeout=args.startup_timeout,
+            ),
             setups=[s.strip() for s in args.setups.split(",") if s.strip()],
             input_lens=lens,
             out=args.out,
-            max_num_seqs=args.max_num_seqs,
             output_lens=(outs[0], outs[1]),
             prefill_requests=args.prefill_requests,
             decode_rounds=args.decode_rounds,
             hook_requests=args.hook_requests,
-            port=args.port,
             proxy_port=args.proxy_port,
-            kv_port=args.kv_port,
-            kv_cache_gib=args.kv_cache_gib,
-            workdir=args.workdir,
-            startup_timeout=args.startup_timeout,
         )
         profile = measure(
             spec,
@@ -199,7 +204,7 @@ def run_measure(args: argparse.Namespace) -> int:
             redo=args.redo,
         )
     except ValueError as exc:
-        return _fail(exc if isinstance(exc, PlanError) else PlanError(str(exc)))
+        return _fail(exc if isinstance(exc, UsageError) else UsageError(str(exc)))
     print(f"\nprofile written to {args.out}")
     print(render_derived(profile))
     return 0
@@ -214,8 +219,6 @@ def _ms(value: float | None, digits: int = 1) -> str:
 
 
 def render_derived(profile: MachineProfile) -> str:
-    from kvpush.plan.cli import format_table
-
     headers = [
         "setup", "mode", "prefill ms", "+us/tok", "front end ms", "+us/tok",
         "step ms", "+ms/seq", "+us/ctx tok", "submit us/tok", "xfer setup ms", "hop ms",
@@ -245,8 +248,6 @@ def render_derived(profile: MachineProfile) -> str:
 
 
 def render_check(rows: Sequence[CheckRow], limit: float = 0.25) -> str:
-    from kvpush.plan.cli import format_table
-
     headers = ["in", "qps", "setup", "result"]
     for name in ("TTFT", "TPOT", "E2E"):
         headers += [f"{name} p50", "predicted", "error"]
@@ -313,8 +314,6 @@ def check_json(rows: Sequence[CheckRow]) -> list[dict[str, Any]]:
 
 def plot_check(rows: Sequence[CheckRow], path: str) -> None:
     """Measured (solid) and predicted (dashed) p50 vs rate; a column per input length."""
-    from kvpush.plan.cli import pyplot, save_figure
-
     plt = pyplot()
     lens = sorted({r.measured.input_len for r in rows})
     setups = sorted({r.measured.setup for r in rows})
@@ -368,14 +367,14 @@ def run_check(args: argparse.Namespace) -> int:
             try:
                 results += load_results(directory)
             except FileNotFoundError as exc:
-                raise PlanError(f"{exc}; pass a `kvpush bench sweep --out` folder") from None
+                raise PlannerError(f"{exc}; pass a `kvpush bench sweep --out` folder") from None
             except ResultError as exc:
-                raise PlanError(str(exc)) from None
+                raise PlannerError(str(exc)) from None
         if args.setups:
             wanted = {s.strip() for s in args.setups.split(",")}
             results = [r for r in results if r["setup"] in wanted]
         if args.seeds < 1:
-            raise PlanError("--seeds must be at least 1")
+            raise PlannerError("--seeds must be at least 1")
 
         def progress(index: int, total: int, what: str) -> None:
             print(f"[{index}/{total}] {what}", file=sys.stderr, flush=True)
@@ -383,7 +382,7 @@ def run_check(args: argparse.Namespace) -> int:
         rows = check(profile, results, args.seeds, progress)
         if args.plot:
             plot_check(rows, args.plot)
-    except PlanError as exc:
+    except UsageError as exc:
         return _fail(exc)
     if args.json:
         print(json.dumps({"profile": profile.to_json(), "rows": check_json(rows)}, indent=1))

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush.bench.results import ONE_BURST_MS
+from kvpush.core.protocol import Mode
 from kvpush.plan.machine import (
     MachineProfile,
     PointProbe,
@@ -50,14 +51,13 @@ from kvpush.plan.machine import (
     load_profile,
     save_profile,
 )
-from kvpush.plan.model import PlanError
+from kvpush.plan.model import PlannerError
 from kvpush.plan.model_config import read_model
-from kvpush.plan.simulate import Mode
 
 if TYPE_CHECKING:
     import aiohttp
 
-    from kvpush.testbed.topology import Topology
+    from kvpush.testbed.topology import PairSettings, Topology
 
 Say = Callable[[str], None]
 
@@ -73,41 +73,35 @@ MEMCPY_GBPS = 19.8
 
 @dataclass(slots=True)
 class MeasureSpec:
-    model: Path
+    pair: PairSettings
     setups: list[str]
     input_lens: list[int]
     out: Path
-    max_num_seqs: int = 8
     output_lens: tuple[int, int] = (16, 80)
     prefill_requests: int = 16
     decode_rounds: int = 5
     hook_requests: int = 6
-    port: int = 8000
     proxy_port: int | None = None
-    kv_port: int = 5600
-    kv_cache_gib: float = 1.0
-    workdir: Path = Path(".kvpush")
-    startup_timeout: float = 300.0
     request_timeout: float = 60.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from kvpush.testbed.topology import SETUPS
+        from kvpush.testbed.topology import check_setups
 
-        unknown = [s for s in self.setups if s not in SETUPS]
-        if unknown or not self.setups:
-            raise PlanError(
-                f"--setups: unknown setup {', '.join(unknown) or '(none)'}; choose from "
-                f"{', '.join(SETUPS)}"
-            )
+        try:
+            check_setups(self.setups)
+        except ValueError as exc:
+            raise PlannerError(str(exc)) from None
         if not self.input_lens or any(n < 1 for n in self.input_lens):
-            raise PlanError("--input-lens: give one or more prompt lengths >= 1")
+            raise PlannerError("--input-lens: give one or more prompt lengths >= 1")
         short, long = self.output_lens
         if not 2 <= short < long:
-            raise PlanError("--output-lens: two lengths, the first >= 2 and below the second")
-        for name in ("max_num_seqs", "prefill_requests", "decode_rounds", "hook_requests"):
+            raise PlannerError("--output-lens: two lengths, the first >= 2 and below the second")
+        if self.pair.max_num_seqs < 1:
+            raise PlannerError("--max-num-seqs must be at least 1")
+        for name in ("prefill_requests", "decode_rounds", "hook_requests"):
             if getattr(self, name) < 1:
-                raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
+                raise PlannerError(f"--{name.replace('_', '-')} must be at least 1")
 
 
 def metric_delta(before: dict[Any, float], after: dict[Any, float], name: str) -> float:
@@ -120,7 +114,7 @@ def histogram_mean_ms(before: dict[Any, float], after: dict[Any, float], name: s
     """Mean of a Prometheus histogram's new observations between two scrapes, in ms."""
     count = metric_delta(before, after, f"{name}_count")
     if count <= 0:
-        raise PlanError(f"vLLM recorded no {name} during the probe; is this vLLM too old?")
+        raise PlannerError(f"vLLM recorded no {name} during the probe; is this vLLM too old?")
     return metric_delta(before, after, f"{name}_sum") / count * 1e3
 
 
@@ -140,10 +134,10 @@ def submit_beyond_idle(busy: tuple[float, int], idle: tuple[float, int], request
 
 
 async def _answered(resp: aiohttp.ClientResponse, url: str) -> None:
-    """Raise PlanError naming the server's answer unless a probe request succeeded."""
+    """Raise PlannerError naming the server's answer unless a probe request succeeded."""
     if resp.status != 200:
         text = await resp.text()
-        raise PlanError(f"probe request to {url} failed: HTTP {resp.status}: {text[:300]}")
+        raise PlannerError(f"probe request to {url} failed: HTTP {resp.status}: {text[:300]}")
 
 
 class Prober:
@@ -151,12 +145,12 @@ class Prober:
 
     def __init__(self, spec: MeasureSpec, topology: Topology, say: Say) -> None:
         self.spec, self.topology, self.say = spec, topology, say
-        self.model = str(spec.model)
+        self.model = str(spec.pair.model)
         self.prefill_url = topology.prefill[0].url
         self.decode_url = topology.decode[0].url
         from transformers import AutoTokenizer
 
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(spec.model))
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(spec.pair.model))
 
     def prompts(self, count: int, input_len: int, salt: int) -> list[str]:
         """Prompts of exactly `input_len` tokens, made as `vllm bench serve --dataset-name
@@ -216,7 +210,7 @@ class Prober:
             if metric_delta(before, after, f"{name}_count") >= count:
                 return after
             if time.monotonic() > deadline:
-                raise PlanError(
+                raise PlannerError(
                     f"vLLM at {url} recorded fewer than {count} new {name}; is this vLLM "
                     "too old, or did another client use the server during the probe?"
                 )
@@ -293,7 +287,7 @@ class Prober:
             per_request[tokens] = statistics.median(rounds)
         engine = (per_request[long] - per_request[short]) / (long - short)
         if not client:
-            raise PlanError(
+            raise PlannerError(
                 f"every probe answer on {self.decode_url} arrived in one burst, so no TPOT "
                 "could be measured; the machine is too busy, run `kvpush plan measure` again"
             )
@@ -324,9 +318,8 @@ class Prober:
     async def run(self, setup: str) -> SetupProbe:
         import aiohttp
 
-        from kvpush.proxy.server import ProxyConfig, start_proxy
         from kvpush.testbed.topology import SETUPS
-        from kvpush.testbed.up import warm_up
+        from kvpush.testbed.topology_proxy import local_url, start_topology_proxy, warm_up
 
         spec, say = self.spec, self.say
         mode: Mode = "pull" if SETUPS[setup].proxy_mode == "pull" else "push"
@@ -345,7 +338,7 @@ class Prober:
                     f"front end {prefill[n][1]:.2f} ms"
                 )
                 steps[n] = {}
-                for batch in sorted({1, spec.max_num_seqs}):
+                for batch in sorted({1, spec.pair.max_num_seqs}):
                     steps[n][batch], engine_steps[f"{n}x{batch}"] = await self.decode_step(
                         session, n, batch
                     )
@@ -356,27 +349,24 @@ class Prober:
                     )
             idle_after = hook_seconds(self.hooks("decode-0"), "start_load_kv")
             idle = (idle_after[0] - idle_before[0], idle_after[1] - idle_before[1])
-            prefill_backends, decode_backends = self.topology.proxy_backends()
-            port = spec.proxy_port or spec.port
-            config = ProxyConfig(
-                mode=mode,
-                prefill=prefill_backends,
-                decode=decode_backends,
+            port = spec.proxy_port or spec.pair.port
+            runner = await start_topology_proxy(
+                self.topology,
+                port,
                 request_timeout=spec.request_timeout,
                 # a server whose core a spinning NIXL thread shares can miss /health for
                 # seconds; the probe sends one request at a time and needs no ejection
                 health_interval=3600.0,
                 health_timeout=spec.request_timeout,
             )
-            runner = await start_proxy(config, "127.0.0.1", port)
             submits: dict[int, float] = {}
             transfers: dict[int, float | None] = {}
             hook_totals: dict[str, Any] = {"idle_start_load_kv": idle}
             try:
-                proxy_url = f"http://127.0.0.1:{port}"
+                proxy_url = local_url(port)
                 error = await warm_up(proxy_url, self.model)
                 if error:
-                    raise PlanError(f"{setup}: a handoff through the proxy failed: {error}")
+                    raise PlannerError(f"{setup}: a handoff through the proxy failed: {error}")
                 for n in spec.input_lens:
                     busy, transfers[n] = await self.handoffs(session, proxy_url, n)
                     submits[n] = submit_beyond_idle(busy, idle, spec.hook_requests)
@@ -396,19 +386,9 @@ class Prober:
 
 
 def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
-    from kvpush.testbed.topology import StartupError, StartupProgress, Topology, bench_pair
+    from kvpush.testbed.topology import StartupError, StartupProgress, Topology
 
-    config = bench_pair(
-        spec.model,
-        setup,
-        spec.workdir,
-        "plan-measure",
-        spec.port,
-        spec.kv_port,
-        max_num_seqs=spec.max_num_seqs,
-        kv_cache_gib=spec.kv_cache_gib,
-        timed_hooks=True,
-    )
+    config = spec.pair.topology(setup, "plan-measure", timed_hooks=True)
     import aiohttp
 
     topology = Topology(config)
@@ -418,13 +398,13 @@ def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     try:
         topology.start()
-        took = topology.wait_healthy(spec.startup_timeout, StartupProgress(f"[{setup}] "))
+        took = topology.wait_healthy(spec.pair.startup_timeout, StartupProgress(f"[{setup}] "))
         say(f"  [{setup}] servers healthy after {took:.0f} s")
         probe = asyncio.run(Prober(spec, topology, say).run(setup))
     except StartupError as exc:
-        raise PlanError(f"{setup}: servers did not start: {str(exc).splitlines()[0]}") from None
+        raise PlannerError(f"{setup}: servers did not start: {str(exc).splitlines()[0]}") from None
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise PlanError(
+        raise PlannerError(
             f"{setup}: a probe request failed ({type(exc).__name__}: {exc}); see {logs}"
         ) from None
     finally:
@@ -450,8 +430,8 @@ def measure(
     """Measure every setup not already in `spec.out` (all of them with `redo`), saving the
     profile after each one, so an interrupted run resumes where it stopped."""
     profile = MachineProfile(
-        kv_bytes_per_token=read_model(spec.model).shape.kv_bytes_per_token,
-        max_num_seqs=spec.max_num_seqs,
+        kv_bytes_per_token=read_model(spec.pair.model).shape.kv_bytes_per_token,
+        max_num_seqs=spec.pair.max_num_seqs,
         link_gbps=link_gbps,
         memory_gbps=memory_gbps,
         proxy_added_ms=dict(proxy_added_ms),
@@ -459,7 +439,7 @@ def measure(
         provenance={
             "command": " ".join(command),
             "cores": len(os.sched_getaffinity(0)),
-            "model": str(spec.model),
+            "model": str(spec.pair.model),
             "proxy_added_ms": "kvpush proxy bench --streams 1 (p50 added TTFT), unless "
             "--proxy-added-ms was given",
             "link_gbps": "NIXL DRAM->DRAM WRITE, ../shared/ENVIRONMENT.md",
@@ -468,8 +448,8 @@ def measure(
     )
     if spec.out.exists() and not redo:
         done = load_profile(spec.out)
-        if done.max_num_seqs != spec.max_num_seqs or done.proxy_added_ms != proxy_added_ms:
-            raise PlanError(
+        if done.max_num_seqs != spec.pair.max_num_seqs or done.proxy_added_ms != proxy_added_ms:
+            raise PlannerError(
                 f"{spec.out} was measured with other settings; pass --redo or another --out"
             )
         profile.setups.update(done.setups)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpush.args import UsageError
+
 GB = 1e9
 KIB = 1024
 
@@ -46,23 +48,23 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
-class PlanError(ValueError):
+class PlannerError(UsageError):
     """Invalid planner input; the message names the flag or file to fix."""
 
 
 def check_positive(name: str, value: float, fix: str) -> None:
     if not value > 0 or not math.isfinite(value):
-        raise PlanError(f"{name} must be a positive number (got {value!r}); {fix}")
+        raise PlannerError(f"{name} must be a positive number (got {value!r}); {fix}")
 
 
 def check_non_negative(name: str, value: float, fix: str) -> None:
     if not value >= 0 or not math.isfinite(value):
-        raise PlanError(f"{name} must be a finite number >= 0 (got {value!r}); {fix}")
+        raise PlannerError(f"{name} must be a finite number >= 0 (got {value!r}); {fix}")
 
 
 def check_positive_int(name: str, value: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PlanError(f"{name} must be a positive integer (got {value!r}); {fix}")
+        raise PlannerError(f"{name} must be a positive integer (got {value!r}); {fix}")
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -71,7 +73,7 @@ def dtype_bytes(dtype: str) -> int:
         return DTYPE_BYTES[dtype.lower().removeprefix("torch.")]
     except KeyError:
         known = ", ".join(sorted(DTYPE_BYTES))
-        raise PlanError(f"unknown dtype {dtype!r}; pass --dtype as one of: {known}") from None
+        raise PlannerError(f"unknown dtype {dtype!r}; pass --dtype as one of: {known}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,7 @@ class ModelShape:
         if self.window is not None:
             check_positive_int("sliding window", self.window, "check the model config")
         if not 0 <= self.window_layers <= self.layers:
-            raise PlanError(
+            raise PlannerError(
                 f"{self.window_layers} sliding-window layers of {self.layers}; check the config"
             )
 
@@ -162,7 +164,7 @@ class DenseFlops:
         check_positive("--gpu-tflops", gpu_tflops, "pass the dense peak TFLOP/s per GPU")
         check_positive("--mfu", mfu, "pass the fraction of peak prefill sustains")
         if mfu > 1:
-            raise PlanError(f"--mfu must be at most 1 (got {mfu}); it is a fraction of peak")
+            raise PlannerError(f"--mfu must be at most 1 (got {mfu}); it is a fraction of peak")
         flops = tp * gpu_tflops * 1e12 * mfu
         return PrefillSpeed(
             tokens_per_s=flops / (2 * self.matmul_params),
@@ -187,7 +189,7 @@ class PrefillSpeed:
     def __post_init__(self) -> None:
         check_positive("--prefill-tok-s", self.tokens_per_s, "pass prefill tokens/s")
         if not self.attn_tokens > 0:
-            raise PlanError(f"--prefill-attn-tokens must be > 0 (got {self.attn_tokens!r})")
+            raise PlannerError(f"--prefill-attn-tokens must be > 0 (got {self.attn_tokens!r})")
         check_non_negative("--prefill-fixed-ms", self.fixed_s, "pass ms per prompt")
 
     def seconds(self, tokens: int) -> float:
@@ -239,11 +241,13 @@ class PlanInputs:
         check_positive_int("--output-len", self.output_len, "pass output tokens per request")
         check_positive_int("--max-num-seqs", self.max_num_seqs, "pass decode's --max-num-seqs")
         if not self.tpot_ms:
-            raise PlanError("--tpot-ms is empty; pass one TPOT per mode, e.g. pull=10.4,push=7.0")
+            raise PlannerError(
+                "--tpot-ms is empty; pass one TPOT per mode, e.g. pull=10.4,push=7.0"
+            )
         for label, tpot in self.tpot_ms:
             check_positive(f"--tpot-ms {label}", tpot, "pass TPOT in milliseconds")
         if not 0 < self.target_util <= 1:
-            raise PlanError(
+            raise PlannerError(
                 f"--target-util must be in (0, 1] (got {self.target_util}); e.g. 0.8 for 80 %"
             )
 

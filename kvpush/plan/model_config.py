@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvpush.plan.model import DenseFlops, ModelFacts, ModelShape, PlanError
+from kvpush.plan.model import DenseFlops, ModelFacts, ModelShape, PlannerError
 
 _FIX = "pass --model as a local model directory holding config.json, or give the shape flags"
 # vLLM's --kv-cache-dtype names with their byte size (auto: the model's dtype)
@@ -28,11 +28,11 @@ def read_model(path: str | Path, kv_dtype: str | None = None) -> ModelFacts:
     if folder.is_file():
         folder = folder.parent
     if not (folder / "config.json").is_file():
-        raise PlanError(f"{str(path)!r} holds no config.json; {_FIX}")
+        raise PlannerError(f"{str(path)!r} holds no config.json; {_FIX}")
     try:
         from vllm.config import ModelConfig
     except ImportError:
-        raise PlanError(
+        raise PlannerError(
             "reading a model's KV size needs vLLM (pip install vllm); or give "
             "--layers/--kv-heads/--head-dim/--dtype"
         ) from None
@@ -41,7 +41,7 @@ def read_model(path: str | Path, kv_dtype: str | None = None) -> ModelFacts:
         config = ModelConfig(model=str(folder), skip_tokenizer_init=True)
     except Exception as exc:  # vLLM raises many kinds for a config it cannot read
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PlanError(f"vLLM cannot read {str(folder)!r}: {first}; {_FIX}") from None
+        raise PlannerError(f"vLLM cannot read {str(folder)!r}: {first}; {_FIX}") from None
     return facts_of(config, kv_dtype)
 
 

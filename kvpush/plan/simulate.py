@@ -97,15 +97,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import numpy as np
 
+from kvpush.core.protocol import MODES, Mode
 from kvpush.plan.model import (
     GB,
     DenseFlops,
     ModelShape,
-    PlanError,
+    PlannerError,
     PrefillSpeed,
     check_non_negative,
     check_positive,
@@ -113,8 +113,9 @@ from kvpush.plan.model import (
     transfer_seconds,
 )
 
-Mode = Literal["pull", "push"]
-MODES: tuple[Mode, ...] = ("pull", "push")
+# The modes in the order the planner reports them: alphabetical, which puts pull, the
+# baseline, first.
+MODE_ORDER: tuple[Mode, ...] = tuple(sorted(MODES))
 
 QWEN3_32B_SHAPE = ModelShape(layers=64, kv_heads=8, head_dim=128, dtype="bfloat16")
 QWEN3_32B_FLOPS = DenseFlops(
@@ -166,9 +167,9 @@ class SimParams:
         check_positive_int("--max-num-seqs", self.max_num_seqs, "pass decode's --max-num-seqs")
         check_positive_int("--num-prompts", self.num_prompts, "pass how many requests to send")
         if isinstance(self.output_len, bool) or not isinstance(self.output_len, int):
-            raise PlanError(f"--output-len must be an integer (got {self.output_len!r})")
+            raise PlannerError(f"--output-len must be an integer (got {self.output_len!r})")
         if self.output_len < 2:
-            raise PlanError(
+            raise PlannerError(
                 f"--output-len must be at least 2 (got {self.output_len}); TPOT needs 2 tokens"
             )
         check_positive("--link-gbps", self.link_gbps, "pass GB/s per GPU (articles: 50)")
@@ -188,9 +189,11 @@ class SimParams:
             "--pull-submit-us-per-token", self.pull_submit_us_per_token, "pass us per token"
         )
         if self.base_tpot_ms + self.per_seq_ms <= 0:
-            raise PlanError("--base-tpot-ms and --per-seq-ms are both 0; a decode step takes time")
+            raise PlannerError(
+                "--base-tpot-ms and --per-seq-ms are both 0; a decode step takes time"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise PlanError(f"--seed must be a non-negative integer (got {self.seed!r})")
+            raise PlannerError(f"--seed must be a non-negative integer (got {self.seed!r})")
 
     def transfer_s(self, tokens: int) -> float:
         moved = transfer_seconds(tokens * self.kv_bytes_per_token, self.tp, self.link_gbps)
@@ -404,8 +407,8 @@ class _Sim:
 
 def simulate(params: SimParams, mode: Mode, rate: float, input_len: int) -> RunResult:
     """Run `params.num_prompts` requests of `input_len` prompt tokens at `rate` req/s."""
-    if mode not in MODES:
-        raise PlanError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if mode not in MODE_ORDER:
+        raise PlannerError(f"unknown mode {mode!r}; use one of {', '.join(MODE_ORDER)}")
     check_positive("--rates", rate, "pass request rates in req/s")
     check_positive_int("--input-lens", input_len, "pass prompt lengths in tokens")
     requests = _Sim(params, mode, rate, input_len).run()
@@ -428,7 +431,7 @@ def sweep(
     params: SimParams,
     rates: Iterable[float],
     input_lens: Iterable[int],
-    modes: Iterable[Mode] = MODES,
+    modes: Iterable[Mode] = MODE_ORDER,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[RunResult]:
     """Every (input length, rate, mode) of the grid, in that nesting order."""

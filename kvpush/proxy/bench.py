@@ -38,7 +38,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpush.proxy.rewrite import MODES
+from kvpush.core.protocol import MODES
+from kvpush.report import format_table
 
 if TYPE_CHECKING:
     import aiohttp
@@ -204,7 +205,7 @@ async def drive(
 
 
 def _serve_stubs(conn: Connection, tokens: int, token_gap: float) -> None:
-    from kvpush.proxy.cli import use_uvloop
+    from kvpush.proxy.server import use_uvloop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     use_uvloop()
@@ -222,7 +223,7 @@ async def _stubs(conn: Connection, tokens: int, token_gap: float) -> None:
 
 
 def _serve_proxy(conn: Connection, mode: str, prefill_url: str, decode_url: str) -> None:
-    from kvpush.proxy.cli import use_uvloop
+    from kvpush.proxy.server import use_uvloop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     use_uvloop()
@@ -230,8 +231,9 @@ def _serve_proxy(conn: Connection, mode: str, prefill_url: str, decode_url: str)
 
 
 async def _proxy(conn: Connection, mode: str, prefill_url: str, decode_url: str) -> None:
+    from kvpush.proxy.config import ProxyConfig
     from kvpush.proxy.rewrite import Backend
-    from kvpush.proxy.server import ProxyConfig, start_proxy
+    from kvpush.proxy.server import start_proxy
 
     config = ProxyConfig(
         mode=mode,
@@ -319,8 +321,6 @@ def measure(spec: BenchSpec, progress: Callable[[str], None]) -> tuple[list[Row]
 
 
 def render(spec: BenchSpec, rows: Sequence[Row], throughput: Row, load: float) -> str:
-    from kvpush.plan.cli import format_table
-
     def ms(value: float) -> str:
         return "-" if math.isnan(value) else f"{value * 1e3:.2f}"
 
@@ -469,7 +469,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpush proxy bench: {exc}", file=sys.stderr)
         return 2
-    from kvpush.proxy.cli import use_uvloop
+    from kvpush.proxy.server import use_uvloop
 
     use_uvloop()
     load = os.getloadavg()[0]

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.args import at_least, non_negative, port_number, positive
+from kvpush.core.protocol import MODES
 from kvpush.proxy import bench
 from kvpush.proxy.balance import POLICIES, check_policy
-from kvpush.proxy.rewrite import MODES, parse_backend
+from kvpush.proxy.rewrite import parse_backend
 
 EPILOG = """\
 backends:
@@ -236,8 +237,8 @@ def policy(name: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from kvpush.proxy.config import ProxyConfig
     from kvpush.proxy.fleet import read_fleet
-    from kvpush.proxy.server import ProxyConfig
 
     if not args.mode:
         raise ValueError("--mode push or --mode pull is required")
@@ -282,18 +283,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpush proxy: {exc} (see kvpush proxy -h)", file=sys.stderr)
         return 2
+    from kvpush.proxy.server import use_uvloop
+
     use_uvloop()
     return asyncio.run(_serve(config, args.host, args.port))
-
-
-def use_uvloop() -> None:
-    """Run asyncio on uvloop when it is installed (faster parsing and scheduling)."""
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
 
 
 def describe(config: Any) -> str:

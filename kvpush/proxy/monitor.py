@@ -14,50 +14,31 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
-import aiohttp
-
+from kvpush.proxy.backends import Backends
 from kvpush.proxy.balance import parse_vllm_metrics
+from kvpush.proxy.client import BackendClient
+from kvpush.proxy.config import ProxyConfig
 from kvpush.proxy.fleet import read_fleet
-
-if TYPE_CHECKING:
-    from kvpush.proxy.server import Proxy
 
 log = logging.getLogger("kvpush.proxy")
 
 
-TIMED_OUT = "/health gave no answer within"
-
-
-async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:
-    """GET url/health; None when it answers 200 in time, else what went wrong."""
-    try:
-        async with session.get(
-            url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
-            return None if resp.status == 200 else f"/health answered HTTP {resp.status}"
-    except TimeoutError:
-        return f"{TIMED_OUT} {timeout:g} s"
-    except aiohttp.ClientConnectorError as exc:
-        return f"cannot connect ({exc.os_error})"
-    except aiohttp.ClientError as exc:
-        return f"/health failed: {type(exc).__name__}: {exc}"
-
-
 class Monitor:
-    def __init__(self, proxy: Proxy) -> None:
-        self.proxy = proxy
+    def __init__(self, backends: Backends, client: BackendClient, config: ProxyConfig) -> None:
+        self.backends = backends
+        self.client = client
+        self.health_interval = config.health_interval
+        self.health_timeout = config.health_timeout
+        self.scrape_interval = config.scrape_interval
+        self.fleet_file = config.fleet_file
         self._tasks: list[asyncio.Task[None]] = []
         self._fleet_mtime = self._mtime()
 
     def start(self) -> None:
-        config = self.proxy.config
-        self._tasks.append(asyncio.create_task(self._every(config.health_interval, self._tick)))
-        if config.scrape_interval > 0:
-            self._tasks.append(
-                asyncio.create_task(self._every(config.scrape_interval, self.scrape))
-            )
+        self._tasks.append(asyncio.create_task(self._every(self.health_interval, self._tick)))
+        if self.scrape_interval > 0:
+            self._tasks.append(asyncio.create_task(self._every(self.scrape_interval, self.scrape)))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -82,34 +63,23 @@ class Monitor:
         await self.check_health()
 
     async def check_health(self) -> None:
-        proxy = self.proxy
-        targets = [(role, state) for role, pool in proxy.pools.items() for state in pool]
+        targets = [(role, state) for role, pool in self.backends.pools.items() for state in pool]
         problems = await asyncio.gather(
-            *(
-                probe_health(proxy.session, state.url, proxy.config.health_timeout)
-                for _, state in targets
-            )
+            *(self.client.health(state.url, self.health_timeout) for _, state in targets)
         )
         for (role, state), problem in zip(targets, problems, strict=True):
-            proxy.checked(role, state, problem)
+            self.backends.checked(role, state, problem)
 
     async def scrape(self) -> None:
-        proxy = self.proxy
-        states = [state for pool in proxy.pools.values() for state in pool]
-        texts = await asyncio.gather(*(self._read_metrics(state.url) for state in states))
+        states = [state for pool in self.backends.pools.values() for state in pool]
+        texts = await asyncio.gather(
+            *(self.client.metrics(state.url, self.health_timeout) for state in states)
+        )
         for state, text in zip(states, texts, strict=True):
             state.reported = parse_vllm_metrics(text) if text else None
 
-    async def _read_metrics(self, url: str) -> str | None:
-        timeout = aiohttp.ClientTimeout(total=self.proxy.config.health_timeout)
-        try:
-            async with self.proxy.session.get(url + "/metrics", timeout=timeout) as resp:
-                return await resp.text() if resp.status == 200 else None
-        except (TimeoutError, aiohttp.ClientError):
-            return None
-
     def _mtime(self) -> int | None:
-        path = self.proxy.config.fleet_file
+        path = self.fleet_file
         if path is None:
             return None
         try:
@@ -119,13 +89,13 @@ class Monitor:
 
     def reload_fleet(self) -> None:
         """Apply the fleet file if it changed since it was last read."""
-        path = self.proxy.config.fleet_file
+        path = self.fleet_file
         mtime = self._mtime()
         if path is None or mtime is None or mtime == self._fleet_mtime:
             return
         self._fleet_mtime = mtime
         try:
-            changes = self.proxy.apply_fleet(read_fleet(path))
+            changes = self.backends.apply_fleet(read_fleet(path))
         except ValueError as exc:
             log.error("fleet file %s not applied, keeping the current backends: %s", path, exc)
             return

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-MODES = ("push", "pull")
+from kvpush.core.protocol import MODES
+
 # Fields that only make sense for the client-facing leg and must not reach prefill.
 _PREFILL_DROPPED = ("stream_options", "logprobs", "top_logprobs", "n", "best_of", "min_tokens")
 
@@ -219,7 +220,7 @@ def pull_decode_params(prefill_response: Any, prefill: Backend) -> dict[str, Any
 
 
 _KVPUSH_INFO = re.compile(r"^kvpush:info\{([^}]*)\}\s+1(?:\.0)?\s*$", re.MULTILINE)
-_MODE_LABEL = re.compile(r'\bmode="(push|pull)"')
+_MODE_LABEL = re.compile(r'\bmode="(' + "|".join(MODES) + ')"')
 
 
 def kvpush_mode(metrics_text: str) -> str | None:

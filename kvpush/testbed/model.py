@@ -13,15 +13,11 @@ benchmark choose how many KV bytes each token carries:
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-from kvpush.args import at_least, cannot_write
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ARCHS = ("qwen2", "deepseek_v2")
@@ -226,81 +222,3 @@ def ensure_tiny_model(out: Path, spec: TinyModelSpec) -> Path:
             return out
     build_tiny_model(out, spec)
     return out
-
-
-EXAMPLES = """\
-examples:
-  kvpush model tiny models/tiny          # 2 layers, 512 KV bytes per token, in seconds
-  kvpush model tiny models/m --layers 8 --heads 8 --kv-heads 8 --head-dim 64
-  kvpush model tiny models/gqa8 --heads 16 --kv-heads 8 --head-dim 128
-  kvpush model tiny models/mla --arch deepseek_v2   # multi-head latent attention
-"""
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "model",
-        help="build models for local testing",
-        description="Build models for local testing, offline.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
-    tiny = kinds.add_parser(
-        "tiny",
-        help="a small random-weight Qwen2 model with a locally trained tokenizer",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    tiny.add_argument("dir", type=Path, help="output directory (created if missing)")
-    defaults = TinyModelSpec()
-    tiny.add_argument("--layers", type=at_least(1), default=defaults.layers)
-    tiny.add_argument("--heads", type=at_least(1), default=defaults.heads, help="attention heads")
-    tiny.add_argument("--kv-heads", type=at_least(1), default=defaults.kv_heads)
-    tiny.add_argument("--head-dim", type=at_least(1), default=defaults.head_dim)
-    tiny.add_argument("--intermediate-size", type=at_least(1), default=defaults.intermediate_size)
-    tiny.add_argument("--vocab-size", type=at_least(300), default=defaults.vocab_size)
-    tiny.add_argument("--dtype", default=defaults.dtype, choices=sorted(DTYPE_BYTES))
-    tiny.add_argument(
-        "--arch",
-        default=defaults.arch,
-        choices=ARCHS,
-        help="qwen2 (grouped-query attention) or deepseek_v2 (MLA); default qwen2",
-    )
-    tiny.add_argument("--seed", type=int, default=defaults.seed)
-    tiny.set_defaults(func=_run_tiny)
-
-
-def _run_tiny(args: argparse.Namespace) -> int:
-    try:
-        spec = TinyModelSpec(
-            layers=args.layers,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            intermediate_size=args.intermediate_size,
-            vocab_size=args.vocab_size,
-            dtype=args.dtype,
-            seed=args.seed,
-            arch=args.arch,
-        )
-    except ValueError as exc:
-        print(f"kvpush model tiny: {exc}", file=sys.stderr)
-        return 2
-    try:
-        summary = build_tiny_model(args.dir, spec)
-    except OSError as exc:
-        print(
-            f"kvpush model tiny: {cannot_write(exc, args.dir)}; give a directory you can write",
-            file=sys.stderr,
-        )
-        return 2
-    print(
-        f"built {summary['path']}: {spec.arch}, {spec.layers} layers, "
-        + ("MLA latent 512+64" if spec.arch == "deepseek_v2" else
-           f"{spec.kv_heads} KV heads x {spec.head_dim} dims")  # fmt: skip
-        + f", {spec.dtype}, vocab {summary['vocab']}, "
-        f"{spec.kv_bytes_per_token} KV bytes/token"
-    )
-    return 0

@@ -111,6 +111,16 @@ SETUPS: dict[str, ConnectorSetup] = {
 MAIN_SETUPS = ("vllm-pull", "vllm-push", "kvpush-push", "kvpush-pull")
 
 
+def check_setups(names: Sequence[str]) -> None:
+    """Raise ValueError, worded for --setups, unless `names` are one or more known setups."""
+    unknown = [n for n in names if n not in SETUPS]
+    if unknown or not names:
+        raise ValueError(
+            f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
+            f"choose from {', '.join(SETUPS)}"
+        )
+
+
 def resolve_setup(name: str) -> ConnectorSetup:
     if name not in SETUPS:
         raise ValueError(f"unknown connector setup {name!r}; choose from {', '.join(SETUPS)}")
@@ -228,37 +238,40 @@ class TopologyConfig:
             raise ValueError("--kv-cache-gib and --max-num-seqs must be positive")
 
 
-def bench_pair(
-    model: Path,
-    setup: str,
-    workdir: Path,
-    label: str,
-    port: int,
-    kv_port: int,
-    max_num_seqs: int = 8,
-    kv_cache_gib: float = 1.0,
-    timed_hooks: bool = False,
-    extra_env: dict[str, str] | None = None,
-    prefix_caching: bool = True,
-) -> TopologyConfig:
-    """The 1P1D eager pair every benchmark runs, logs under WORKDIR/LABEL/SETUP; all share
-    one compile cache (WORKDIR/vllm-cache), since the model is the same."""
-    return TopologyConfig(
-        model=model,
-        setup=setup,
-        port=port,
-        kv_port=kv_port,
-        eager=True,
-        max_num_seqs=max_num_seqs,
-        kv_cache_gib=kv_cache_gib,
-        workdir=workdir / label / setup,
-        timed_hooks=timed_hooks,
-        prefix_caching=prefix_caching,
-        extra_env={
-            "VLLM_CACHE_ROOT": str((workdir / "vllm-cache").resolve()),
-            **(extra_env or {}),
-        },
-    )
+@dataclass(slots=True)
+class PairSettings:
+    """The 1P1D eager pair every benchmark runs (`kvpush bench sweep|compare|hooks`, `kvpush
+    plan measure`), whatever the setup: the model, ports, server sizes, start-up deadline."""
+
+    model: Path
+    workdir: Path = Path(".kvpush")
+    port: int = 8000
+    kv_port: int = 5600
+    max_num_seqs: int = 8
+    kv_cache_gib: float = 1.0
+    prefix_caching: bool = True  # vLLM's default; False: --no-enable-prefix-caching
+    startup_timeout: float = 300.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def topology(self, setup: str, label: str, timed_hooks: bool = False) -> TopologyConfig:
+        """`setup`'s pair, logs under WORKDIR/LABEL/SETUP; all share one compile cache
+        (WORKDIR/vllm-cache), since the model is the same."""
+        return TopologyConfig(
+            model=self.model,
+            setup=setup,
+            port=self.port,
+            kv_port=self.kv_port,
+            eager=True,
+            max_num_seqs=self.max_num_seqs,
+            kv_cache_gib=self.kv_cache_gib,
+            workdir=self.workdir / label / setup,
+            timed_hooks=timed_hooks,
+            prefix_caching=self.prefix_caching,
+            extra_env={
+                "VLLM_CACHE_ROOT": str((self.workdir / "vllm-cache").resolve()),
+                **self.extra_env,
+            },
+        )
 
 
 def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> list[ServerSpec]:

@@ -19,6 +19,7 @@ from kvpush.testbed.topology import (
     Topology,
     TopologyConfig,
 )
+from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy, warm_up
 
 EPILOG = """\
 setups:
@@ -176,42 +177,18 @@ def _print_plan(topology: Topology) -> None:
         )
 
 
-async def warm_up(url: str, model: str, attempts: int = 3, timeout: float = 30.0) -> str | None:
-    """One short completion through the proxy, retried; returns the last error or None.
-
-    The first request of a pair opens its NIXL connections; under CPU load vLLM's own
-    handshakes can time out once (they have a fixed 5 s limit), so a retry is expected.
-    """
-    import aiohttp
-
-    body = {"model": model, "prompt": "warm up", "max_tokens": 2, "temperature": 0}
-    error: str | None = None
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        for _ in range(attempts):
-            try:
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    if resp.status == 200:
-                        return None
-                    error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                error = f"no answer within {timeout:g} s ({type(exc).__name__})"
-    return error
-
-
 async def _serve(topology: Topology, args: argparse.Namespace) -> int:
-    from kvpush.proxy.server import PROXY_KEY, ProxyConfig, start_proxy
+    from kvpush.proxy.server import PROXY_KEY
 
-    prefill, decode = topology.proxy_backends()
-    mode = SETUPS[topology.config.setup or ""].proxy_mode
-    config = ProxyConfig(
-        mode=mode, prefill=prefill, decode=decode, request_timeout=args.request_timeout
-    )
     try:
-        runner = await start_proxy(config, "127.0.0.1", args.port)
+        runner = await start_topology_proxy(
+            topology, args.port, request_timeout=args.request_timeout
+        )
     except OSError as exc:
-        raise StartupError(f"proxy cannot listen on port {args.port}: {exc.strerror}") from None
+        raise cannot_listen(args.port, exc) from None
     proxy = runner.app[PROXY_KEY]
-    url = f"http://127.0.0.1:{args.port}"
+    mode = proxy.config.mode
+    url = local_url(args.port)
     for i in range(args.warmup):
         error = await warm_up(url, str(topology.config.model))
         print(f"  warm-up {i + 1}/{args.warmup}: {error or 'ok'}", flush=True)

@@ -10,7 +10,7 @@ import pytest
 
 from kvpush.bench import timed
 from kvpush.bench.cli import hook_rows, hook_totals
-from kvpush.testbed.demo import RequestResult, SetupReport
+from kvpush.bench.compare import RequestResult, SetupReport
 
 
 class FakeConnector:

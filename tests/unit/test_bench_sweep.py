@@ -13,6 +13,7 @@ import pytest
 from kvpush.bench import plot, results, sweep
 from kvpush.bench.results import Point
 from kvpush.cli import main
+from kvpush.testbed.topology import PairSettings
 
 DATA = Path(__file__).parent.parent / "data"
 
@@ -53,7 +54,7 @@ def spec(tmp_path: Path, **kw: Any) -> sweep.SweepSpec:
         "num_prompts": 16,
         "iterations": 2,
         "out": tmp_path / "out",
-        "model": tmp_path / "model",
+        "pair": PairSettings(tmp_path / "model"),
     }
     args.update(kw)
     return sweep.SweepSpec(**args)

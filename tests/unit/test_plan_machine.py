@@ -24,8 +24,9 @@ from kvpush.plan.machine import (
     sim_params,
 )
 from kvpush.plan.measure import MeasureSpec, histogram_mean_ms, submit_beyond_idle
-from kvpush.plan.model import PlanError
+from kvpush.plan.model import PlannerError
 from kvpush.plan.simulate import simulate
+from kvpush.testbed.topology import PairSettings
 
 
 def probe(
@@ -103,7 +104,7 @@ def test_derive_turns_measurements_into_parameters() -> None:
 
 def test_noisy_measurements_are_refused_or_flattened() -> None:
     flat = probe(prefill=(10.0, -0.001))
-    with pytest.raises(PlanError, match="does not grow with prompt length"):
+    with pytest.raises(PlannerError, match="does not grow with prompt length"):
         derive(profile(flat), "kvpush-push")
     # a front end faster for longer prompts is noise: its mean, no per-token term
     d = derive(profile(probe(front=(6.0, -0.001))), "kvpush-push")
@@ -155,11 +156,11 @@ def test_profile_round_trips_and_bad_files_name_the_fix(tmp_path: Path) -> None:
     save_profile(prof, path)
     assert load_profile(path) == prof
     (tmp_path / "other.json").write_text('{"schema": "x"}')
-    with pytest.raises(PlanError, match="kvpush plan measure"):
+    with pytest.raises(PlannerError, match="kvpush plan measure"):
         load_profile(tmp_path / "other.json")
-    with pytest.raises(PlanError, match="cannot read"):
+    with pytest.raises(PlannerError, match="cannot read"):
         load_profile(tmp_path / "missing.json")
-    with pytest.raises(PlanError, match="run `kvpush plan measure --setups vllm-push`"):
+    with pytest.raises(PlannerError, match="run `kvpush plan measure --setups vllm-push`"):
         prof.setup("vllm-push")
 
 
@@ -205,7 +206,7 @@ def test_check_predicts_each_point_of_known_setups() -> None:
     ]
     assert all(r.error("ttft") is not None and r.error("tpot") is not None for r in rows)
     assert all(r.error("e2el") is None for r in rows)  # these records have no e2el
-    with pytest.raises(PlanError, match="no result is of a setup the profile measured"):
+    with pytest.raises(PlannerError, match="no result is of a setup the profile measured"):
         check(profile(), [record("vllm-push", 1.0, 30.0, 2.0)])
 
 
@@ -254,11 +255,13 @@ def test_measure_helpers() -> None:
     before = {("vllm:x_sum", ()): 1.0, ("vllm:x_count", ()): 2.0}
     after = {("vllm:x_sum", ()): 1.5, ("vllm:x_count", ()): 7.0}
     assert histogram_mean_ms(before, after, "vllm:x") == pytest.approx(100.0)
-    with pytest.raises(PlanError, match="recorded no vllm:x"):
+    with pytest.raises(PlannerError, match="recorded no vllm:x"):
         histogram_mean_ms(before, before, "vllm:x")
     # 10 handed-off requests: 30 ms over 110 calls, where an idle call costs 0.1 ms
     assert submit_beyond_idle((0.030, 110), (0.010, 100), 10) == pytest.approx(1.9)
-    with pytest.raises(PlanError, match="--setups: unknown setup nope"):
-        MeasureSpec(Path("m"), ["nope"], [256], Path("o.json"))
-    with pytest.raises(PlanError, match="--output-lens"):
-        MeasureSpec(Path("m"), ["kvpush-push"], [256], Path("o.json"), output_lens=(8, 8))
+    with pytest.raises(PlannerError, match="--setups: unknown setup nope"):
+        MeasureSpec(PairSettings(Path("m")), ["nope"], [256], Path("o.json"))
+    with pytest.raises(PlannerError, match="--output-lens"):
+        MeasureSpec(
+            PairSettings(Path("m")), ["kvpush-push"], [256], Path("o.json"), output_lens=(8, 8)
+        )

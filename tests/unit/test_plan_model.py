@@ -10,8 +10,8 @@ import pytest
 from kvpush.plan.model import (
     DenseFlops,
     ModelShape,
-    PlanError,
     PlanInputs,
+    PlannerError,
     PrefillSpeed,
     make_plan,
     max_rate,
@@ -89,16 +89,16 @@ def test_transfer_uses_decimal_gigabytes_per_gpu() -> None:
 def test_plan_inputs_reject_bad_values_naming_the_flag(
     overrides: dict[str, object], flag: str
 ) -> None:
-    with pytest.raises(PlanError, match=f"^{flag}"):
+    with pytest.raises(PlannerError, match=f"^{flag}"):
         articles_inputs(**overrides)
 
 
 def test_shape_rejects_unknown_dtype_and_non_positive_sizes() -> None:
-    with pytest.raises(PlanError, match="unknown dtype 'bf17'; pass --dtype as one of"):
+    with pytest.raises(PlannerError, match="unknown dtype 'bf17'; pass --dtype as one of"):
         ModelShape(64, 8, 128, "bf17")
-    with pytest.raises(PlanError, match="--kv-heads must be a positive integer"):
+    with pytest.raises(PlannerError, match="--kv-heads must be a positive integer"):
         ModelShape(64, 0, 128, "bf16")
-    with pytest.raises(PlanError, match="--layers"):
+    with pytest.raises(PlannerError, match="--layers"):
         ModelShape(True, 8, 128, "bf16")
 
 
@@ -112,14 +112,14 @@ def test_qwen3_32b_prefill_speed_from_flops() -> None:
     assert speed.tokens_per_s == pytest.approx(50_709, rel=1e-3)
     assert speed.attn_tokens == pytest.approx(59_520)
     assert speed.seconds(16384) == pytest.approx(0.412, abs=0.001)
-    with pytest.raises(PlanError, match="--mfu must be at most 1"):
+    with pytest.raises(PlannerError, match="--mfu must be at most 1"):
         flops.prefill_speed(tp=8, gpu_tflops=989, mfu=1.5)
 
 
 def test_prefill_speed_without_attention_term_is_linear() -> None:
     speed = PrefillSpeed(10_000.0)
     assert speed.seconds(20_000) == pytest.approx(2.0)
-    with pytest.raises(PlanError, match="--prefill-tok-s"):
+    with pytest.raises(PlannerError, match="--prefill-tok-s"):
         PrefillSpeed(0.0)
 
 
@@ -161,5 +161,5 @@ def test_sliding_window_layers_hold_only_their_window() -> None:
 def test_model_errors_say_what_to_fix(tmp_path: Path, content: str | None, message: str) -> None:
     if content is not None:
         (tmp_path / "config.json").write_text(content)
-    with pytest.raises(PlanError, match=message):
+    with pytest.raises(PlannerError, match=message):
         read_model(tmp_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.plan.model import PlanError, PrefillSpeed
+from kvpush.plan.model import PlannerError, PrefillSpeed
 from kvpush.plan.simulate import (
     H200_BF16_DENSE_TFLOPS,
     PUBLISHED_TTFT_MS,
@@ -101,14 +101,14 @@ def test_same_seed_same_result_other_seed_other_result() -> None:
     ],
 )
 def test_sim_params_reject_bad_values(overrides: dict[str, object], message: str) -> None:
-    with pytest.raises(PlanError, match=message):
+    with pytest.raises(PlannerError, match=message):
         articles_params(**overrides)
 
 
 def test_simulate_rejects_bad_grid_points() -> None:
-    with pytest.raises(PlanError, match="--rates"):
+    with pytest.raises(PlannerError, match="--rates"):
         simulate(articles_params(), "push", 0.0, 1024)
-    with pytest.raises(PlanError, match="unknown mode"):
+    with pytest.raises(PlannerError, match="unknown mode"):
         simulate(articles_params(), "both", 1.0, 1024)  # type: ignore[arg-type]
 
 

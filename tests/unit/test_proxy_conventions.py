@@ -199,7 +199,7 @@ async def test_a_second_signal_ends_the_drain_at_once() -> None:
 
 async def test_ready_is_503_while_a_role_has_no_backend_in_rotation() -> None:
     async with rig(decode=0, dead_decode=1, health_interval=0.05, eject_after=1) as r:
-        await eventually(lambda: not r.proxy.pools["decode"].available())
+        await eventually(lambda: not r.proxy.backends.pools["decode"].available())
         ready = await r.session.get(r.url + "/ready")
         assert ready.status == 503
         reason = "no healthy backend: decode"

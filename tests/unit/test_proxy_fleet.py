@@ -17,8 +17,9 @@ import aiohttp
 import pytest
 
 from kvpush.proxy.cli import config_from_args, register
+from kvpush.proxy.config import ProxyConfig
 from kvpush.proxy.rewrite import Backend
-from kvpush.proxy.server import PROXY_KEY, Proxy, ProxyConfig, start_proxy
+from kvpush.proxy.server import PROXY_KEY, Proxy, start_proxy
 from kvpush.proxy.stub import StubBackend, StubBehaviour, serve_stub
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 8, "temperature": 0}
@@ -67,7 +68,7 @@ class Rig:
             return await resp.text()
 
     def state(self, role: str, url: str) -> Any:
-        state = self.proxy.pools[role].find(url)
+        state = self.proxy.backends.pools[role].find(url)
         assert state is not None
         return state
 
@@ -221,12 +222,12 @@ async def test_a_changed_fleet_file_becomes_the_pools_and_a_broken_one_is_ignore
     async with rig(decode=2, health_interval=0.05, fleet_file=fleet) as r:
         prefill, (one, two) = r.prefill_urls[0], r.decode_urls
         fleet.write_text(f'prefill = ["{prefill}"]\ndecode = ["{two}"]\n')
-        await eventually(lambda: [s.url for s in r.proxy.pools["decode"]] == [two])
+        await eventually(lambda: [s.url for s in r.proxy.backends.pools["decode"]] == [two])
         fleet.write_text("decode = [")  # half-written: keep what we have
         await asyncio.sleep(0.2)
-        assert [s.url for s in r.proxy.pools["decode"]] == [two]
+        assert [s.url for s in r.proxy.backends.pools["decode"]] == [two]
         fleet.write_text(f'prefill = ["{prefill}"]\ndecode = ["{one}", "{two}"]\n')
-        await eventually(lambda: len(r.proxy.pools["decode"]) == 2)
+        await eventually(lambda: len(r.proxy.backends.pools["decode"]) == 2)
 
 
 def test_the_command_line_reads_backends_from_a_fleet_file(tmp_path: Path) -> None:
@@ -427,7 +428,7 @@ async def test_proxy_health_is_ok_only_once_an_ejected_backend_is_taken_back() -
     async with rig(decode=1, health_interval=60, return_after=2) as r:
         state = r.state("decode", r.decode_urls[0])
         await eventually(lambda: state.passed_checks == 1)  # the monitor's first round is done
-        r.proxy.eject("decode", state, "cannot connect (test)")
+        r.proxy.backends.eject("decode", state, "cannot connect (test)")
         # Each /health probe counts as a check: answering once is not yet enough to return.
         async with r.session.get(r.url + "/health") as resp:
             report = await resp.json()

@@ -13,8 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvpush.proxy.config import ProxyConfig
 from kvpush.proxy.rewrite import Backend
-from kvpush.proxy.server import ProxyConfig, start_proxy
+from kvpush.proxy.server import start_proxy
 from kvpush.proxy.stub import StubBackend, StubBehaviour, serve_stub
 
 

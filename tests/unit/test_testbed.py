@@ -1,22 +1,28 @@
-"""Testbed logic that needs no servers: model building, core assignment, server specs."""
+"""Testbed logic that needs no vLLM servers: model building, core assignment, server specs,
+the proxy in front of a topology."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from pathlib import Path
 
 import pytest
 
+from kvpush.proxy.server import PROXY_KEY
 from kvpush.testbed.model import TinyModelSpec, build_tiny_model, ensure_tiny_model
 from kvpush.testbed.topology import (
     SETUPS,
+    PairSettings,
+    Topology,
     TopologyConfig,
     assign_cores,
     build_specs,
     format_cores,
     resolve_setup,
 )
+from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy
 
 
 def test_tiny_model_is_deterministic_for_a_seed(tmp_path: Path) -> None:
@@ -137,3 +143,42 @@ def test_a_role_can_run_another_setup_to_build_a_mismatched_pair(tmp_path: Path)
     assert modes == [{"mode": "pull"}, {"mode": "push"}]
     with pytest.raises(ValueError, match="'prefill' or 'decode'"):
         TopologyConfig(model=tmp_path, setup="kvpush-push", role_setups={"proxy": "kvpush-pull"})
+
+
+async def test_the_proxy_in_front_of_a_topology_has_its_mode_and_servers(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    config = TopologyConfig(model=tmp_path, setup="vllm-push", n_decode=2, port=9000)
+    topology = Topology(config, cores=[0])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = int(sock.getsockname()[1])
+        with pytest.raises(OSError) as busy:
+            await start_topology_proxy(topology, port, request_timeout=7.0)
+    assert "proxy cannot listen on port" in str(cannot_listen(port, busy.value))
+    runner = await start_topology_proxy(topology, port, request_timeout=7.0, health_interval=60)
+    try:
+        proxy = runner.app[PROXY_KEY]
+        assert (proxy.config.mode, proxy.config.request_timeout) == ("push", 7.0)
+        assert proxy.config.prefill == [s.backend() for s in topology.prefill]
+        assert [b.url for b in proxy.config.decode] == [s.url for s in topology.decode]
+        assert local_url(port) == f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def test_every_benchmark_pair_is_eager_with_logs_per_label_and_one_compile_cache(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    pair = PairSettings(tmp_path, workdir=tmp_path / "w", port=9000, extra_env={"X": "1"})
+    config = pair.topology("kvpush-push", "sweep", timed_hooks=True)
+    assert (config.setup, config.port, config.eager, config.timed_hooks) == (
+        "kvpush-push",
+        9000,
+        True,
+        True,
+    )
+    assert config.workdir == tmp_path / "w" / "sweep" / "kvpush-push"
+    cache = str((tmp_path / "w" / "vllm-cache").resolve())
+    assert config.extra_env == {"VLLM_CACHE_ROOT": cache, "X": "1"}

@@ -6,12 +6,10 @@ import asyncio
 
 import pytest
 
-from kvpush.cli import build_parser
-from kvpush.testbed.demo import (
+from kvpush.bench.compare import (
     LoadSpec,
     RequestResult,
     SetupReport,
-    demo_setups,
     failure_reason,
     make_prompts,
     parse_event,
@@ -19,10 +17,12 @@ from kvpush.testbed.demo import (
     render_table,
     root_cause,
     run_load,
+    setups_to_run,
     summarise,
     text_agreement,
     token_timing,
 )
+from kvpush.cli import build_parser
 
 
 def ok(index: int, text: str = "t", ttft: float = 0.1, tpot: float = 0.01) -> RequestResult:
@@ -165,10 +165,10 @@ async def test_load_stops_at_the_first_timeout_and_cancels_the_rest() -> None:
 
 
 def test_setups_default_to_all_and_unknown_names_are_refused() -> None:
-    assert demo_setups(None) == ["vllm-pull", "vllm-push", "kvpush-push", "kvpush-pull"]
-    assert demo_setups("vllm-push, vllm-pull") == ["vllm-push", "vllm-pull"]
+    assert setups_to_run(None) == ["vllm-pull", "vllm-push", "kvpush-push", "kvpush-pull"]
+    assert setups_to_run("vllm-push, vllm-pull") == ["vllm-push", "vllm-pull"]
     with pytest.raises(ValueError, match="unknown setup nccl"):
-        demo_setups("vllm-pull,nccl")
+        setups_to_run("vllm-pull,nccl")
 
 
 def test_bad_load_is_refused_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,18 +30,20 @@ from typing import Any
 
 from kvpush.args import at_least, cannot_write, port_number, positive
 from kvpush.bench.timed import read_ledgers
-from kvpush.plan.cli import format_table
+from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_corpus
 from kvpush.testbed.topology import (
     MAIN_SETUPS,
     SETUPS,
+    PairSettings,
     StartupError,
     StartupProgress,
     Topology,
-    bench_pair,
+    check_setups,
     hook_dir,
     resolve_setup,
 )
+from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy, warm_up
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,15 +278,10 @@ def root_cause(log: str) -> str:
     return lines[-1][:300] if lines else "(empty log)"
 
 
-def demo_setups(requested: str | None) -> list[str]:
+def setups_to_run(requested: str | None) -> list[str]:
     """The setups to run, in order; raises ValueError naming an unknown one."""
     names = [n.strip() for n in (requested or ",".join(MAIN_SETUPS)).split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETUPS]
-    if unknown or not names:
-        raise ValueError(
-            f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
-            f"choose from {', '.join(SETUPS)}"
-        )
+    check_setups(names)
     return names
 
 
@@ -382,8 +379,7 @@ async def stream_completion(
 
 def run_setup(
     setup: str,
-    model: Path,
-    args: argparse.Namespace,
+    pair: PairSettings,
     load: LoadSpec,
     prompts: list[str],
     timed_hooks: bool = False,
@@ -395,17 +391,15 @@ def run_setup(
         print(f"\n== {setup}: skipped ({exc})", flush=True)
         return SetupReport(setup, "skipped", str(exc))
     print(f"\n== {setup}: starting 1 prefill + 1 decode (eager mode)", flush=True)
-    config = bench_pair(
-        model, setup, args.workdir, label, args.port, args.kv_port, timed_hooks=timed_hooks
-    )
+    config = pair.topology(setup, label, timed_hooks)
     topology = Topology(config)
     for spec in topology.specs:
         print(f"  [{setup}] {spec.name} on {spec.url}, log {spec.log_path}", flush=True)
     try:
         topology.start()
-        took = topology.wait_healthy(args.startup_timeout, StartupProgress(f"[{setup}] "))
+        took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))
         print(f"  [{setup}] servers healthy after {took:.0f} s", flush=True)
-        report = asyncio.run(_drive(topology, setup, args.port, load, prompts))
+        report = asyncio.run(_drive(topology, setup, pair.port, load, prompts))
         report.startup_s = took
         if timed_hooks:
             time.sleep(1.0)  # the ledgers are written every half second
@@ -440,22 +434,16 @@ async def _drive(
 ) -> SetupReport:
     import aiohttp
 
-    from kvpush.proxy.server import ProxyConfig, start_proxy
-    from kvpush.testbed.up import warm_up
-
-    prefill, decode = topology.proxy_backends()
-    config = ProxyConfig(
-        mode=SETUPS[setup].proxy_mode,
-        prefill=prefill,
-        decode=decode,
-        # Later than the client's deadline, so a stall shows as the client's timeout.
-        request_timeout=load.request_timeout + 10,
-    )
     try:
-        runner = await start_proxy(config, "127.0.0.1", port)
+        runner = await start_topology_proxy(
+            topology,
+            port,
+            # Later than the client's deadline, so a stall shows as the client's timeout.
+            request_timeout=load.request_timeout + 10,
+        )
     except OSError as exc:
-        raise StartupError(f"proxy cannot listen on port {port}: {exc.strerror}") from None
-    url = f"http://127.0.0.1:{port}"
+        raise cannot_listen(port, exc) from None
+    url = local_url(port)
     model = str(topology.config.model)
     try:
         error = await warm_up(url, model)
@@ -565,7 +553,7 @@ def run_all(
 ) -> tuple[list[SetupReport], LoadSpec] | int:
     """Run every requested setup in turn; an int is an exit code for bad arguments."""
     try:
-        setups = demo_setups(args.setups)
+        setups = setups_to_run(args.setups)
         load = LoadSpec(
             requests=args.requests,
             concurrency=args.concurrency,
@@ -592,6 +580,13 @@ def run_all(
     prompts = make_prompts(
         load.requests, load.input_len, load.seed, lambda text: len(tokenizer.encode(text).ids)
     )
-    reports = [run_setup(setup, model, args, load, prompts, timed_hooks, label) for setup in setups]
+    pair = PairSettings(
+        model,
+        workdir=args.workdir,
+        port=args.port,
+        kv_port=args.kv_port,
+        startup_timeout=args.startup_timeout,
+    )
+    reports = [run_setup(setup, pair, load, prompts, timed_hooks, label) for setup in setups]
     print(f"\nkvpush {label}: done in {time.monotonic() - started:.0f} s\n")
     return reports, load
