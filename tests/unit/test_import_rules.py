@@ -17,6 +17,8 @@ To add a rule, write a test over `MODULES` (module name -> the kvpush modules it
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -182,9 +184,49 @@ def test_cycles_are_found() -> None:
         MODULES.update(saved)
 
 
-@pytest.mark.parametrize("package", ["kvpush.proxy"])
+@pytest.mark.parametrize("package", ["kvpush.proxy", *RUNTIME_LAYERS])
 def test_no_import_cycle_within(package: str) -> None:
     assert cycles(under(package)) == []
+
+
+def test_no_import_cycle_across_the_runtime() -> None:
+    assert cycles(under(RUNTIME_LAYERS)) == []
+
+
+def third_party(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports outside kvpush."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found - {"kvpush"}
+
+
+def test_only_the_vllm_adapter_imports_vllm_or_torch() -> None:
+    """The node runs (and is tested) where vLLM is absent; only kvpush.vllm adapts it."""
+    below = under(RUNTIME_LAYERS[:-1])
+    assert [m for m in below if third_party(FILES[m]) & {"vllm", "torch"}] == []
+
+
+def test_the_node_imports_where_vllm_cannot_be() -> None:
+    """What the worker-pair tests rely on: every module below the adapter imports with
+    vLLM blocked."""
+    program = (
+        "import sys, importlib\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'vllm':\n"
+        "            raise ImportError('vLLM is blocked here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"for name in {under(RUNTIME_LAYERS[:-1])!r}:\n"
+        "    importlib.import_module(name)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_the_proxys_parts_do_not_reach_back_to_the_server() -> None:
