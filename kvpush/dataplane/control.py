@@ -145,7 +145,11 @@ class ControlServer:
         if self._thread is not None:
             raise RuntimeError("control server already started")
         try:
-            listener = socket.create_server((self.host, self._port), backlog=128)
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            both = self.host == "::" and socket.has_dualstack_ipv6()  # "::": IPv4 too
+            listener = socket.create_server(
+                (self.host, self._port), family=family, backlog=128, dualstack_ipv6=both
+            )
         except OSError as exc:
             raise OSError(
                 exc.errno,

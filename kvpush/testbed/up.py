@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.args import allow_dash_value, at_least, port_number, positive
+from kvpush.testbed.hosts import Hosts, HostsError
 from kvpush.testbed.topology import (
     SETUPS,
     StartupError,
@@ -34,6 +35,10 @@ setups:
 ports: the proxy listens on --port; prefill i on PORT+100+i, decode j on PORT+200+j;
 NIXL side channels on KV_PORT, KV_PORT+1, ...; logs go to WORKDIR/logs/.
 
+hosts: with --hosts N (root), the servers run in N network namespaces joined by a bridge,
+each with its own address in 198.18.0.0/15 (prefill and decode on different ones), the
+KV moving over the link by UCX over TCP; the proxy stays here on 127.0.0.1:PORT.
+
 examples:
   kvpush model tiny models/tiny && kvpush up --connector vllm-push --model models/tiny
   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -41,6 +46,7 @@ examples:
   kvpush up --connector kvpush-pull --model models/tiny --prefill 1 --decode 2 \\
        --vllm-args "--enable-prefix-caching --max-num-batched-tokens 512"
   kvpush up --connector vllm-pull --model models/tiny --vllm-args --enable-prefix-caching
+  sudo kvpush up --connector kvpush-push --model models/tiny --hosts 2
 """
 
 
@@ -95,6 +101,15 @@ def register(subparsers: Any) -> None:
                else '"--num-gpu-blocks-override 64"'),  # fmt: skip
         )
     allow_dash_value(parser, "--vllm-args", "--prefill-args", "--decode-args")
+    parser.add_argument(
+        "--hosts",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="run the servers on N hosts: network namespaces on a bridge (needs root); "
+        "prefill and decode on different ones from N=2, the proxy here (default: all on "
+        "127.0.0.1)",
+    )
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument("--startup-timeout", type=positive(), default=600.0)
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
@@ -131,7 +146,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpush up: {exc}", file=sys.stderr)
         return 2
-    topology = Topology(config)
+    hosts = Hosts(args.hosts) if args.hosts else None
+    try:
+        if hosts is not None:
+            hosts.create()
+    except HostsError as exc:
+        print(f"kvpush up: --hosts: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return _run(Topology(config, hosts=list(hosts or ())), args)
+    finally:
+        if hosts is not None:
+            hosts.close()
+
+
+def _run(topology: Topology, args: argparse.Namespace) -> int:
     stop_requested = False
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -171,8 +200,9 @@ def _print_plan(topology: Topology) -> None:
     for spec in topology.specs:
         print(
             f"  {spec.name:<10} {spec.url:<24} engine {spec.engine_id:<10} "
-            f"kv 127.0.0.1:{spec.kv_port:<6} cores {spec.env['VLLM_CPU_OMP_THREADS_BIND']:<5} "
-            f"log {spec.log_path}",
+            f"kv {spec.address}:{spec.kv_port:<6} cores {spec.env['VLLM_CPU_OMP_THREADS_BIND']:<5} "
+            + (f"netns {spec.netns} " if spec.netns else "")
+            + f"log {spec.log_path}",
             flush=True,
         )
 
