@@ -24,6 +24,14 @@ class Identity:
     model: str
     tp_rank: int
     tp_size: int
+    # vLLM's data-parallel index of this engine: each DP engine's ranks get their own ports
+    dp_index: int = 0
+
+    @property
+    def port_offset(self) -> int:
+        """This rank's control port, counted from the configured base port: the ports of
+        one engine are consecutive (one per TP rank), and DP engines follow each other."""
+        return self.dp_index * self.tp_size + self.tp_rank
 
 
 class Transfer(Protocol):

@@ -90,7 +90,7 @@ class WorkerSide:
 
     @property
     def port(self) -> int:
-        return self.config.port + self.identity.tp_rank
+        return self.config.port + self.identity.port_offset
 
     def start(
         self,

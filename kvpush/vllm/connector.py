@@ -58,6 +58,21 @@ class KvpushConnector(KVConnectorBase_V1):
             cache_dtype=str(vllm_config.cache_config.cache_dtype),
             dcp_size=parallel.decode_context_parallel_size,
         )
+        # vLLM gives each data-parallel engine its own engine id (it appends "_dp<rank>");
+        # its ranks' control ports follow the previous engine's
+        dp_index = int(getattr(parallel, "data_parallel_index", 0) or 0)
+        if (
+            self.config.mode == "push"
+            and transfer.kv_role == "kv_producer"
+            and (parallel.data_parallel_size > 1 or dp_index > 0)
+        ):
+            # (vLLM runs each DP engine of a dense model as DP size 1: its index tells)
+            raise ValueError(
+                "kvpush push mode cannot serve a data-parallel prefill (--data-parallel-size "
+                "above 1): decode registers with prefill before the "
+                "request reaches it, and cannot know which DP engine will run it; run one "
+                "prefill server per DP rank behind the proxy, or use pull mode"
+            )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -67,6 +82,7 @@ class KvpushConnector(KVConnectorBase_V1):
                 is_producer=transfer.kv_role == "kv_producer",
                 tp_size=parallel.tensor_parallel_size,
                 block_size=self.facts.block_size,
+                dp_index=dp_index,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -79,6 +95,7 @@ class KvpushConnector(KVConnectorBase_V1):
                     model=str(model.model),
                     tp_rank=get_tensor_model_parallel_rank(),
                     tp_size=parallel.tensor_parallel_size,
+                    dp_index=dp_index,
                 ),
             )
 
