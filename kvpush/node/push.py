@@ -219,9 +219,11 @@ class PushWriter(PeerLoop[StartWrite]):
                 self._release(action)
             elif isinstance(action, NotifyFailure):
                 message = action.message
-                transfer_id, rank = split_leg(message.transfer_id)
+                leg = message.transfer_id
+                transfer_id, rank = split_leg(leg)
                 if rank is not None:  # decode knows the transfer, not our legs
-                    message = dataclasses.replace(message, transfer_id=transfer_id)
+                    error = message.error.replace(leg, _shown(leg))
+                    message = dataclasses.replace(message, transfer_id=transfer_id, error=error)
                 self.peers.notify(action.host, action.port, message)
             elif isinstance(action, DropRegistration):
                 self._forget_source(action.registration)
@@ -242,7 +244,10 @@ class PushWriter(PeerLoop[StartWrite]):
             local = shared
         self.results.sent(local.request_id)
         if release.reason != "written":
-            log.info("released KV of %s: %s", local.request_id, release.reason)
+            reason = release.reason.replace(
+                release.local.transfer_id, _shown(release.local.transfer_id)
+            )
+            log.info("released KV of %s: %s", local.request_id, reason)
 
     def _count_failures(self) -> None:
         """Export the state machine's failure counters as `failures{kind}`."""
@@ -297,9 +302,7 @@ class PushWriter(PeerLoop[StartWrite]):
         reg = start.registration
         self._forget_source(reg)
         self.results.count("failures", kind)
-        log.warning(
-            "transfer %s to %s failed: %s", _shown(reg.transfer_id), reg.engine_id, error
-        )
+        log.warning("transfer %s to %s failed: %s", _shown(reg.transfer_id), reg.engine_id, error)
         self.act(
             self.rendezvous.write_finished(
                 reg.transfer_id, reg.generation, False, error, time.monotonic()

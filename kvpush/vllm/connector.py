@@ -6,6 +6,7 @@ worker (role WORKER); each instance forwards to `SchedulerSide` or `WorkerSide`.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -30,6 +31,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def log_like_vllm() -> None:
+    """kvpush's log records go where vLLM's go - its handler, format and level - so an
+    operator sees "released KV of ..." next to vLLM's own lines, with the process that
+    logged it. An operator's own configuration of the "kvpush" logger is left alone."""
+    ours, theirs = logging.getLogger("kvpush"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
 class KvpushConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
 
@@ -37,6 +51,7 @@ class KvpushConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.config = KvpushConfig.from_extra(dict(transfer.kv_connector_extra_config or {}))
