@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from kvpush.core.protocol import Hello, LeaseRenew, Message, ReadDone
 from kvpush.dataplane.control import Peer
@@ -66,3 +70,54 @@ def wait_for(done: Callable[[], bool], timeout: float = 3.0) -> float:
         assert time.monotonic() - started < timeout, "timed out"
         time.sleep(0.005)
     return time.monotonic() - started
+
+
+@dataclass
+class Files:
+    """PEM files of one node: its certificate and key, and the CA that signed it."""
+
+    cert: str
+    key: str
+    ca: str
+
+
+def issue(folder: Path, ca_name: str, node_name: str) -> Files:
+    """A new CA (EC P-256) and one node certificate it signed, valid for a day, written to
+    `folder`. Needs `cryptography`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    def cert(subject: str, key: Any, issuer: str, signer: Any, ca: bool) -> x509.Certificate:
+        now = datetime.datetime.now(datetime.UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(name(issuer))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    node_key = ec.generate_private_key(ec.SECP256R1())
+    node, ca = folder / node_name, folder / ca_name
+    files = Files(f"{node}.crt", f"{node}.key", f"{ca}.crt")
+    pem = serialization.Encoding.PEM
+    Path(files.ca).write_bytes(cert(ca_name, ca_key, ca_name, ca_key, True).public_bytes(pem))
+    Path(files.cert).write_bytes(
+        cert(node_name, node_key, ca_name, ca_key, False).public_bytes(pem)
+    )
+    Path(files.key).write_bytes(
+        node_key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return files

@@ -104,8 +104,7 @@ class Peers(Generic[J]):
             peer.client.close()
             peer = None
         if peer is None:
-            client = ControlClient(host, port, secret=self.ctx.config.secret, timeout=5.0)
-            peer = self.peers[key] = RemoteRank(host, port, client)
+            peer = self.peers[key] = RemoteRank(host, port, self.ctx.control_client(host, port))
         return peer
 
     def when_ready(self, peer: RemoteRank[J], job: J) -> bool:

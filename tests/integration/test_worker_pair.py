@@ -566,3 +566,44 @@ def test_a_peer_that_went_away_is_forgotten_so_the_next_transfer_handshakes_agai
     peers.lost(peer, TransferError("remote_disconnect", "gone"))
     fresh = peers.get("127.0.0.1", pair.prefill.worker.port)
     assert fresh is not peer and fresh.hello is None
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_kv_moves_with_a_secret_inside_mutual_tls(
+    pair_factory: object, mode: str, tmp_path: object
+) -> None:
+    """The settings reach every connection: the control server and every peer's client
+    use the secret's proof and TLS with the node's certificate."""
+    pytest.importorskip("cryptography")
+    from pathlib import Path
+
+    from tests.control_peers import issue
+
+    assert callable(pair_factory) and isinstance(tmp_path, Path)
+    files = issue(tmp_path, "ca", "node")
+    pair: Pair = pair_factory(
+        mode,
+        mode,
+        secret=b"pair-secret",
+        tls_cert=files.cert,
+        tls_key=files.key,
+        tls_ca=files.ca,
+    )
+    for side in (pair.prefill, pair.decode):
+        server = side.worker.server
+        assert server is not None and server.tls is not None and server.secret == b"pair-secret"
+    if mode == "pull":
+        from kvpush.core.protocol import grant
+
+        genuine = grant(b"pair-secret", "prefill-0", "t1", PREFILL_BLOCKS, NUM_TOKENS)
+        spec = pair.recv_spec(remote_grant=genuine, remote_engine_id="prefill-0")
+    else:
+        spec = pair.recv_spec()
+    pair.prefill.step(Step(send=[send_spec()]))
+    pair.decode.step(Step(recv=[spec]))
+    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert pair.decode.load_errors == set()
+    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
+    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+    for side in (pair.prefill, pair.decode):
+        assert side.worker.stats_data()["rejected"] == {}

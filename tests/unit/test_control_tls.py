@@ -7,12 +7,10 @@ are the one way TLS authenticates; the shared secret's proof and MACs still run 
 
 from __future__ import annotations
 
-import datetime
 import socket
 import ssl
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,71 +22,19 @@ from kvpush.dataplane.control import (
     Limits,
     tls_contexts,
 )
-from tests.control_peers import Recorder, wait_for
+from tests.control_peers import Files, Recorder, issue, wait_for
 
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
+pytest.importorskip("cryptography.x509")
 
 SECRET = b"tls-test-secret"
 METADATA = b"NIXL-AGENT-METADATA-" * 50
-
-
-def _name(common: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
-
-
-def _cert(
-    subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey,
-    ca: bool,
-) -> x509.Certificate:  # fmt: skip
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(_name(issuer))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    return builder.sign(signer, hashes.SHA256())
-
-
-@dataclass
-class Files:
-    cert: str
-    key: str
-    ca: str
-
-
-def _issue(folder: Path, ca_name: str, node_name: str) -> Files:
-    """A CA and one node certificate it signed, as PEM files in `folder`."""
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    node_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _cert(ca_name, ca_key, ca_name, ca_key, ca=True)
-    node = _cert(node_name, node_key, ca_name, ca_key, ca=False)
-    paths = Files(str(folder / f"{node_name}.crt"), str(folder / f"{node_name}.key"), "")
-    paths.ca = str(folder / f"{ca_name}.crt")
-    Path(paths.ca).write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    Path(paths.cert).write_bytes(node.public_bytes(serialization.Encoding.PEM))
-    Path(paths.key).write_bytes(
-        node_key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return paths
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[Files, Files]:
     """(ours, a stranger's): node certificates of two unrelated CAs."""
     folder = tmp_path_factory.mktemp("pki")
-    return _issue(folder, "kvpush-ca", "node"), _issue(folder, "other-ca", "stranger")
+    return issue(folder, "kvpush-ca", "node"), issue(folder, "other-ca", "stranger")
 
 
 @pytest.fixture
