@@ -43,6 +43,8 @@ class Transport(Protocol):
 
     def add_peer(self, metadata: bytes, name: str | None = None) -> str: ...
 
+    def remove_peer(self, name: str) -> None: ...
+
     def prepare_peer_blocks(
         self,
         peer: str,

@@ -16,7 +16,9 @@
 A restarted peer keeps its address but has a new NIXL agent; transfers to the old agent
 would fail or, worse, address a dead process. Its control connection tells: the one the
 handshake went over closed when the process exited, so a peer whose handshake connection
-is gone is forgotten before the next transfer and handshaken again.
+is gone is forgotten before the next transfer and handshaken again. A forgotten peer's
+NIXL agent is unloaded (`Transport.remove_peer`: at once, or when its last transfer in
+flight is released), so agents do not pile up across restarts.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class Peers(Generic[J]):
                 peer,
             )
             peer.client.close()
+            self._unload(peer)
             peer = None
         if peer is None:
             peer = self.peers[key] = RemoteRank(host, port, self.ctx.control_client(host, port))
@@ -137,6 +140,14 @@ class Peers(Generic[J]):
         if error.kind == "remote_disconnect" and self.peers.get(key) is peer:
             log.warning("%s %s went away; the next transfer handshakes again", self.peer_role, peer)
             del self.peers[key]
+            self._unload(peer)
+
+    def _unload(self, peer: RemoteRank[J]) -> None:
+        """Unload a forgotten peer's NIXL agent (deferred by the transport while transfers
+        to it are in flight)."""
+        if peer.agent:
+            self.ctx.transport.remove_peer(peer.agent)
+            peer.agent = ""
 
     def notify(self, host: str, port: int, msg: Message) -> None:
         """Send `msg` from the message pool; a peer that cannot be reached is only logged."""
@@ -158,6 +169,7 @@ class Peers(Generic[J]):
     def _handshake(self, peer: RemoteRank[J]) -> None:
         """Pool thread: learn the peer's layout and NIXL agent, then hand back."""
         ctx = self.ctx
+        loaded = ""
         try:
             remote = peer.client.request(ctx.hello, timeout=10.0)
             if not isinstance(remote, Hello):
@@ -166,7 +178,7 @@ class Peers(Generic[J]):
             if problem:
                 peer.error_kind = "incompatible_peer"
                 raise ConnectionError(f"incompatible peer {remote.engine_id}: {problem}")
-            agent = ctx.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
+            agent = loaded = ctx.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
             same = same_shape(ctx.layout, remote.layout) and remote.tp_size == ctx.identity.tp_size
             if same:
                 ctx.transport.prepare_peer_blocks(
@@ -175,6 +187,8 @@ class Peers(Generic[J]):
             peer.agent, peer.same_shape, peer.hello = agent, same, remote
             peer.connection = peer.client.connection
         except Exception as exc:  # any failure here fails this peer's transfers, clearly
+            if loaded:
+                ctx.transport.remove_peer(loaded)
             peer.error_kind = peer.error_kind or "handshake_failed"
             peer.error = f"handshake with {self.peer_role} {peer} failed: {exc}"
             log.error("%s", peer.error)

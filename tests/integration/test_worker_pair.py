@@ -569,6 +569,34 @@ def test_a_peer_that_went_away_is_forgotten_so_the_next_transfer_handshakes_agai
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_restarted_peer_s_old_nixl_agent_is_unloaded(pair_factory: object, mode: str) -> None:
+    """The side that loads the other's agent (prefill in push, decode in pull) keeps exactly
+    one across restarts of the other: each restart's old agent is unloaded from NIXL."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(mode, mode)
+    # push: prefill writes and loads decode's agent; pull: decode reads, loads prefill's
+    loader, restarted = ("prefill", "decode") if mode == "push" else ("decode", "prefill")
+    old_agents: list[str] = []
+    for i in range(4):
+        pair.prefill.sending.clear()
+        pair.decode.recving.clear()
+        pair.start(f"t{i}")
+        pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)  # noqa: B023
+        assert pair.decode.load_errors == set()
+        transport = getattr(pair, loader).worker.transport
+        other = getattr(pair, restarted).worker
+        assert other.ctx is not None
+        assert transport.loaded_peers() == [other.ctx.hello.agent_name], f"round {i}"
+        for name in old_agents:
+            assert not transport._agent.check_remote_metadata(name), f"{name} still loaded"
+        old_agents.append(other.ctx.hello.agent_name)
+        port = other.port
+        other.shutdown()
+        seed = 1 if restarted == "prefill" else None
+        setattr(pair, restarted, start_side(restarted, mode, 4, seed, port=port))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
 def test_kv_moves_with_a_secret_inside_mutual_tls(
     pair_factory: object, mode: str, tmp_path: object
 ) -> None:
