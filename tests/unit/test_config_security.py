@@ -4,6 +4,7 @@ channel's bounds and TLS files, and what `kvpush:info` says about authentication
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -110,3 +111,28 @@ def test_kvpush_info_says_whether_control_messages_are_authenticated(
     KvpushPromMetrics(SimpleNamespace(kv_transfer_config=transfer), types, ["engine"], {0: ["0"]})
     text = prometheus_client.generate_latest(registry).decode()
     assert f'kvpush:info{{auth="{auth}",engine="0",mode="push",role="prefill"}} 1.0' in text
+
+
+def test_every_testbed_deployment_gets_its_own_secret_on_all_its_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvpush up`, the benchmark and the end-to-end tests start servers through
+    `TopologyConfig`: one random secret per deployment, or the operator's."""
+    from kvpush.testbed.topology import TopologyConfig, build_specs
+
+    monkeypatch.delenv("KVPUSH_SECRET", raising=False)
+    (tmp_path / "config.json").write_text("{}")
+
+    def deployment(**over: Any) -> TopologyConfig:
+        return TopologyConfig(model=tmp_path, setup="kvpush-push", n_decode=2, **over)
+
+    first, second = deployment(), deployment()
+    assert len(first.secret) == 64 and first.secret != second.secret
+    assert first.secret not in repr(first)
+    specs = build_specs(first, cores=[0, 1])
+    assert {spec.env["KVPUSH_SECRET"] for spec in specs} == {first.secret}
+    assert build_specs(first, cores=[0, 1])[0].env["KVPUSH_SECRET"] == first.secret, "restarts"
+    mine = deployment(extra_env={"KVPUSH_SECRET": "chosen"})
+    assert {spec.env["KVPUSH_SECRET"] for spec in build_specs(mine, cores=[0, 1])} == {"chosen"}
+    monkeypatch.setenv("KVPUSH_SECRET", "from-the-operator")
+    assert deployment().secret == "from-the-operator"
