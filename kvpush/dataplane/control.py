@@ -500,7 +500,9 @@ class ControlServer:
         try:
             if conn.tls_pending:
                 self._tls_handshake(conn)
-                return
+                if conn.tls_pending or conn.sock not in self._conns:
+                    return
+                events &= selectors.EVENT_READ  # done: the greeting may have come with it
             if events & selectors.EVENT_WRITE:
                 self._flush(conn)
                 self._process(conn)
