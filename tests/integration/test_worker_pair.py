@@ -635,3 +635,25 @@ def test_kv_moves_with_a_secret_inside_mutual_tls(
     assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
     for side in (pair.prefill, pair.decode):
         assert side.worker.stats_data()["rejected"] == {}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_transfers_after_idle_connections_were_replaced_succeed(
+    pair_factory: object, mode: str
+) -> None:
+    """Idle timeouts close and replace control connections; the next transfer handshakes
+    again where it must and succeeds."""
+    from kvpush.dataplane.control import Limits
+
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(mode, mode, control=Limits(idle_timeout_s=0.4))
+    for i in range(3):
+        pair.prefill.sending.clear()
+        pair.decode.recving.clear()
+        pair.start(f"t{i}")
+        pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)  # noqa: B023
+        assert pair.decode.load_errors == set(), f"round {i}"
+        time.sleep(0.6)  # past both the client's (0.2 s) and the server's (0.4 s) idle limit
+    for side in (pair.prefill, pair.decode):
+        stats = side.worker.stats_data()
+        assert stats["failures"] == {} and stats["rejected"] == {}, stats
