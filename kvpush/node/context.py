@@ -8,11 +8,13 @@ send, where they report - and not on each other.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvpush.core.planning import KVLayout
 from kvpush.core.protocol import Hello
+from kvpush.dataplane.control import ControlClient
 from kvpush.node.config import KvpushConfig
 from kvpush.node.results import Results
 
@@ -48,6 +50,8 @@ class Transport(Protocol):
     """The data plane a node moves KV with (`kvpush.dataplane.transport.NixlTransport`)."""
 
     def add_peer(self, metadata: bytes, name: str | None = None) -> str: ...
+
+    def remove_peer(self, name: str) -> None: ...
 
     def prepare_peer_blocks(
         self,
@@ -93,11 +97,24 @@ class Context:
     transport: Transport
     hello: Hello
     results: Results
+    tls: ssl.SSLContext | None = None  # the control channel's client side, if TLS is on
+
+    def control_client(self, host: str, port: int, timeout: float = 5.0) -> ControlClient:
+        """A client for a peer's control port, with this node's secret and TLS settings."""
+        return ControlClient(
+            host,
+            port,
+            secret=self.config.secret,
+            timeout=timeout,
+            max_frame=self.config.control.max_frame,
+            tls=self.tls,
+            idle_s=self.config.client_idle_s,
+        )
 
     @property
     def port(self) -> int:
-        """This rank's control port: the configured port plus the TP rank."""
-        return self.config.port + self.identity.tp_rank
+        """This rank's control port: the configured port plus the rank's offset."""
+        return self.config.port + self.identity.port_offset
 
     @property
     def layout(self) -> KVLayout:

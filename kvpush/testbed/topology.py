@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -243,6 +244,12 @@ class ServerSpec:
         return Backend(self.url)
 
 
+def deployment_secret() -> str:
+    """The shared secret of one deployment: the operator's KVPUSH_SECRET if set, else a new
+    random one. Every kvpush server of the deployment gets it (vLLM's connectors ignore it)."""
+    return os.environ.get("KVPUSH_SECRET") or secrets.token_hex(32)
+
+
 @dataclass(slots=True)
 class TopologyConfig:
     model: Path
@@ -270,6 +277,9 @@ class TopologyConfig:
     role_setups: dict[str, str] = field(default_factory=dict)
     # TP, DP and block size of the servers of a role ("prefill" or "decode"); default 1, 1
     parallel: dict[str, Parallel] = field(default_factory=dict)
+    # Authenticates kvpush's control messages; the same for every server of this topology,
+    # restarted ones too (in their environment as KVPUSH_SECRET; extra_env may override).
+    secret: str = field(default_factory=deployment_secret, repr=False)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").exists():
@@ -385,6 +395,7 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
             "VLLM_CACHE_ROOT": str((config.workdir / "vllm-cache").resolve()),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
+            "KVPUSH_SECRET": config.secret,
             "PYTHONUNBUFFERED": "1",
             **hook_env(config, name),
             **config.extra_env,
