@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -172,6 +173,55 @@ def format_cores(cores: Sequence[int]) -> str:
     return ",".join(runs)
 
 
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """How the servers of one role run: tensor- and data-parallel sizes and KV block size
+    (None: the attention backend's default)."""
+
+    tp: int = 1
+    dp: int = 1
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"TP and DP sizes must be at least 1, got TP {self.tp} DP {self.dp}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block size must be positive, got {self.block_size}")
+
+    @property
+    def ranks(self) -> int:
+        """Worker processes of one server: each gets a control port and a core binding."""
+        return self.tp * self.dp
+
+    def vllm_args(self) -> list[str]:
+        args = []
+        if self.tp > 1:
+            args += ["--tensor-parallel-size", str(self.tp)]
+        if self.dp > 1:
+            args += ["--data-parallel-size", str(self.dp)]
+        if self.block_size is not None:
+            args += ["--block-size", str(self.block_size)]
+        return args
+
+    def describe(self) -> str:
+        parts = [f"TP {self.tp}"] + ([f"DP {self.dp}"] if self.dp > 1 else [])
+        return ", ".join(parts + ([f"block {self.block_size}"] if self.block_size else []))
+
+
+def rank_binding(share: Sequence[int], ranks: int, available: Sequence[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a server of `ranks` workers: its cores split among
+    them ("0|1"); with fewer cores than workers, one core each, taken in turn from all
+    `available` cores starting at its own (the servers' cores overlap then)."""
+    if ranks == 1:
+        return format_cores(share)
+    if len(share) >= ranks:
+        per = len(share) // ranks
+        return "|".join(format_cores(share[i * per : (i + 1) * per]) for i in range(ranks))
+    pool = sorted(available)
+    start = pool.index(share[0]) if share[0] in pool else 0
+    return "|".join(str(pool[(start + i) % len(pool)]) for i in range(ranks))
+
+
 @dataclass(slots=True)
 class ServerSpec:
     name: str
@@ -183,6 +233,7 @@ class ServerSpec:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    parallel: Parallel = Parallel()
     address: str = "127.0.0.1"  # its HTTP and control ports listen here
     netns: str = ""  # the network namespace it runs in ("": this one)
 
@@ -190,10 +241,21 @@ class ServerSpec:
     def url(self) -> str:
         return f"http://{self.address}:{self.port}"
 
+    @property
+    def kv_ports(self) -> range:
+        """The control (side-channel) ports of its workers: one per TP rank, per DP engine."""
+        return range(self.kv_port, self.kv_port + self.parallel.ranks)
+
     def backend(self) -> Backend:
         if self.role == "prefill":
-            return Backend(self.url, self.engine_id, self.address, self.kv_port, 1)
+            return Backend(self.url, self.engine_id, self.address, self.kv_port, self.parallel.tp)
         return Backend(self.url)
+
+
+def deployment_secret() -> str:
+    """The shared secret of one deployment: the operator's KVPUSH_SECRET if set, else a new
+    random one. Every kvpush server of the deployment gets it (vLLM's connectors ignore it)."""
+    return os.environ.get("KVPUSH_SECRET") or secrets.token_hex(32)
 
 
 @dataclass(slots=True)
@@ -221,6 +283,11 @@ class TopologyConfig:
     # Another setup for every server of a role, e.g. {"prefill": "kvpush-pull"} next to
     # setup "kvpush-push": a deliberately mismatched pair, to test how it is refused.
     role_setups: dict[str, str] = field(default_factory=dict)
+    # TP, DP and block size of the servers of a role ("prefill" or "decode"); default 1, 1
+    parallel: dict[str, Parallel] = field(default_factory=dict)
+    # Authenticates kvpush's control messages; the same for every server of this topology,
+    # restarted ones too (in their environment as KVPUSH_SECRET; extra_env may override).
+    secret: str = field(default_factory=deployment_secret, repr=False)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").exists():
@@ -232,7 +299,7 @@ class TopologyConfig:
             resolve_setup(self.setup)
             if self.n_prefill < 1 or self.n_decode < 1:
                 raise ValueError("--prefill and --decode must be at least 1")
-        for role in self.role_vllm_args:
+        for role in [*self.role_vllm_args, *self.parallel]:
             if role not in ("prefill", "decode"):
                 raise ValueError(f"role_vllm_args is for 'prefill' or 'decode', not {role!r}")
         for role, setup in self.role_setups.items():
@@ -313,11 +380,12 @@ def build_specs(
     placed: list[Host | None] = list(assign_hosts(n_pre, len(roles) - n_pre, hosts))
     placed = placed or [None] * len(roles)
     specs = []
-    for index, ((role, i), share, host) in enumerate(zip(roles, shares, placed, strict=True)):
+    kv_port = config.kv_port
+    for (role, i), share, host in zip(roles, shares, placed, strict=True):
         offset = {"prefill": 100, "decode": 200, "single": 300}[role]
         name = f"{role}-{i}"
         port = config.port + offset + i
-        kv_port = config.kv_port + index
+        parallel = config.parallel.get(role, Parallel())
         address = host.address if host else "127.0.0.1"
         argv = [
             sys.executable,
@@ -343,6 +411,7 @@ def build_specs(
             setup = resolve_setup(config.role_setups.get(role, config.setup))
             transfer = setup.transfer_config(role, name, config.timed_hooks)
             argv += ["--kv-transfer-config", json.dumps(transfer)]
+        argv += parallel.vllm_args()
         argv += config.extra_vllm_args + config.role_vllm_args.get(role, [])
         env = {
             "HF_HUB_OFFLINE": "1",
@@ -350,21 +419,24 @@ def build_specs(
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
-            "VLLM_CPU_OMP_THREADS_BIND": format_cores(share),
+            "VLLM_CPU_OMP_THREADS_BIND": rank_binding(share, parallel.ranks, available),
             "VLLM_CACHE_ROOT": str((config.workdir / "vllm-cache").resolve()),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": address,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
+            "KVPUSH_SECRET": config.secret,
             "PYTHONUNBUFFERED": "1",
             **(UCX_ENV if host else {}),
             **hook_env(config, name),
             **config.extra_env,
         }
         spec = ServerSpec(
-            name, role, port, kv_port, name, list(share), argv, env, logs / f"{name}.log"
-        )
+            name, role, port, kv_port, name, list(share), argv, env, logs / f"{name}.log",
+            parallel,
+        )  # fmt: skip
         if host is not None:
             spec.argv, spec.address, spec.netns = host.command(argv), address, host.netns
         specs.append(spec)
+        kv_port += parallel.ranks  # each worker has its own control port
     return specs
 
 
@@ -445,14 +517,14 @@ class Topology:
 
     def start(self) -> None:
         busy = [
-            s
-            for s in self.specs
-            if port_in_use(s.port, s.address) or port_in_use(s.kv_port, s.address)
+            s for s in self.specs if any(port_in_use(p, s.address) for p in (s.port, *s.kv_ports))
         ]
         if busy:
             raise StartupError(
                 "ports already in use: "
-                + ", ".join(f"{s.name} ({s.port} or {s.kv_port})" for s in busy)
+                + ", ".join(
+                    f"{s.name} ({s.port} or {s.kv_ports[0]}-{s.kv_ports[-1]})" for s in busy
+                )
                 + "; stop what holds them or choose another --port / --kv-port"
             )
         for spec in self.specs:

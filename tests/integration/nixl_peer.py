@@ -4,14 +4,14 @@ a network namespace, `ip netns exec NS python -m tests.integration.nixl_peer ROL
 Lines of JSON on stdin and stdout, one per step, so the two ends can sit in different
 namespaces while the test process in the middle relays what they exchange:
 
-  target     (MIB [idle]) registers MIB MiB (4 regions), prints {"metadata", "regions"}; then answers
-             each "digest" line with the SHA-256 of its memory, and exits at "exit"; it
-             progresses its NIXL agent meanwhile as kvpush's targets do
-             (`kvpush.node.progress`): UCX's TCP transport needs it ("idle": it does not)
-  initiator  (MIB REPEAT TIMEOUT) reads the target's line, registers MIB MiB of a byte pattern, loads the
-             target and WRITEs its whole memory (4 pieces) REPEAT times, timing each;
-             prints {"seconds": [...], "bytes", "digest"} (the digest of what it wrote),
-             or {"error"} when a WRITE did not complete within TIMEOUT seconds
+  target     MIB [idle]: registers MIB MiB (4 regions), prints {"metadata", "regions"};
+             then answers each "digest" line with the SHA-256 of its memory and exits at
+             "exit"; meanwhile it progresses its NIXL agent as kvpush's targets do
+             (`kvpush.node.progress`), which UCX's TCP transport needs ("idle": it does not)
+  initiator  MIB REPEAT TIMEOUT: reads the target's line, registers MIB MiB of a byte
+             pattern, loads the target and WRITEs its whole memory (4 pieces) REPEAT times,
+             timing each; prints {"seconds": [...], "bytes", "digest"} (the digest of what
+             it wrote), or {"error"} when a WRITE did not complete within TIMEOUT seconds
 """
 
 from __future__ import annotations
