@@ -8,8 +8,8 @@ namespaces while the test process in the middle relays what they exchange:
              then answers each "digest" line with the SHA-256 of its memory and exits at
              "exit"; meanwhile it progresses its NIXL agent as kvpush's targets do
              (`kvpush.node.progress`), which UCX's TCP transport needs ("idle": it does not)
-  initiator  MIB REPEAT TIMEOUT: reads the target's line, registers MIB MiB of a byte
-             pattern, loads the target and WRITEs its whole memory (4 pieces) REPEAT times,
+  initiator  MIB REPEAT TIMEOUT: registers MIB MiB of a byte pattern, reads the target's
+             line, loads the target and WRITEs its whole memory (4 pieces) REPEAT times,
              timing each; prints {"seconds": [...], "bytes", "digest"} (the digest of what
              it wrote), or {"error"} when a WRITE did not complete within TIMEOUT seconds
 """
@@ -67,9 +67,9 @@ def target(mib: int, idle: bool) -> None:
 def initiator(mib: int, repeat: int, timeout: float) -> None:
     rng = np.random.default_rng(7)
     regions = [rng.integers(0, 256, mib * 2**20 // REGIONS, dtype=np.uint8) for _ in range(4)]
-    peer_info = json.loads(sys.stdin.readline())
     with NixlTransport("bw-initiator") as transport:
         transport.register_regions([(r.ctypes.data, r.nbytes) for r in regions])
+        peer_info = json.loads(sys.stdin.readline())  # after the slow start: both start at once
         peer = transport.add_peer(bytes.fromhex(peer_info["metadata"]))
         local = [(r.ctypes.data, r.nbytes) for r in regions]
         remote = [(int(a), int(n)) for a, n in peer_info["regions"]]

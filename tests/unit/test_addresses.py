@@ -16,28 +16,31 @@ from kvpush.node.worker import WorkerSide
 from tests.node_kv import KVMemory, free_port
 from tests.unit.test_node_parts import FakeTransport
 
+SECRET = {"KVPUSH_SECRET": "s3cret"}
+
 
 def test_bind_host_defaults_to_host_and_is_a_known_key() -> None:
-    config = KvpushConfig.from_extra({"host": "10.0.0.1"}, env={})
+    config = KvpushConfig.from_extra({"host": "10.0.0.1"}, env=SECRET)
     assert (config.host, config.listen_host) == ("10.0.0.1", "10.0.0.1")
-    config = KvpushConfig.from_extra({"host": "10.0.0.1", "bind_host": "0.0.0.0"}, env={})
+    config = KvpushConfig.from_extra({"host": "10.0.0.1", "bind_host": "0.0.0.0"}, env=SECRET)
     assert (config.host, config.listen_host) == ("10.0.0.1", "0.0.0.0")
-    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2"}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2", **SECRET}
     assert KvpushConfig.from_extra({}, env=env).listen_host == "10.0.0.2"
 
 
 @pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "[::]", "", "*"])
 def test_a_wildcard_host_is_refused_naming_bind_host(wildcard: str) -> None:
     with pytest.raises(ValueError, match="peers cannot connect to.*set bind_host") as info:
-        KvpushConfig.from_extra({"host": wildcard}, env={})
+        KvpushConfig.from_extra({"host": wildcard}, env=SECRET)
     assert "reachable address" in str(info.value)
     with pytest.raises(ValueError, match="peers cannot connect to"):
-        KvpushConfig.from_extra({}, env={"VLLM_NIXL_SIDE_CHANNEL_HOST": wildcard or "0.0.0.0"})
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": wildcard or "0.0.0.0", **SECRET}
+        KvpushConfig.from_extra({}, env=env)
 
 
 def worker(role: str, **config: str) -> WorkerSide:
     side = WorkerSide(
-        KvpushConfig(mode="pull", port=free_port(), **config),  # type: ignore[arg-type]
+        KvpushConfig(mode="pull", port=free_port(), secret=b"s3cret", **config),  # type: ignore[arg-type]
         Identity(f"{role}-0", role, "tiny", 0, 1),
     )
     kv = KVMemory.make(1, 4, 1, 4, 64, 1, None)
