@@ -31,8 +31,8 @@ def check_advertised(host: str) -> None:
         )
 
 
-def listen_failed(exc: OSError, bind_host: str, host: str, port: int) -> OSError:
-    """`exc` from listening on bind_host:port, with what to change when the address is not
+def listen_failed(exc: OSError, bind_host: str, host: str) -> OSError:
+    """`exc` from listening on bind_host, with what to change when the address is not
     this machine's (a peer's address, or a public address behind NAT)."""
     if exc.errno != errno.EADDRNOTAVAIL:
         return exc
@@ -43,4 +43,4 @@ def listen_failed(exc: OSError, bind_host: str, host: str, port: int) -> OSError
         )
     else:
         hint = f"bind_host {bind_host} is not an address of this machine"
-    return OSError(exc.errno, f"{exc.strerror} ({hint}), control port {port}")
+    return OSError(exc.errno, f"{exc.strerror}; {hint}")

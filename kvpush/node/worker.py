@@ -155,7 +155,7 @@ class WorkerSide:
         try:
             self.server.start()
         except OSError as exc:
-            raise listen_failed(exc, self.config.listen_host, self.config.host, self.port) from exc
+            raise listen_failed(exc, config.listen_host, config.host) from exc
         log.info(
             "kvpush %s worker %d/%d: %d layers x %d blocks of %d tokens, %d of %d KV heads "
             "(%s), control on %s:%d (listening on %s)",
