@@ -30,6 +30,7 @@ minute each on 2 cores, in parallel) and under a minute of checks: 3-5 minutes i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -49,11 +50,22 @@ from typing import Any
 import pytest
 
 import kvpush
+from kvpush.plan.model_config import read_model
 from kvpush.proxy.rewrite import Backend, format_backend
 from kvpush.testbed import hosts as netns
 from kvpush.testbed import scrape
 from kvpush.testbed.topology import http_ok, log_tail
-from tests.e2e.conftest import BASE_PORT, PROMPTS, Reference, chat, completion
+from kvpush.testbed.topology_proxy import warm_up
+from tests.e2e.conftest import (
+    BASE_PORT,
+    PROMPTS,
+    Reference,
+    chat,
+    completion,
+    kv_idle_after,
+    kvpush_proxy,
+    server_metrics,
+)
 from tests.e2e.conftest import post as post_json
 from tests.e2e.wire import Capture
 
@@ -83,7 +95,7 @@ class Server:
         return f"http://{self.host.address}:{self.port}"
 
     def metrics(self) -> dict[scrape.Sample, float]:
-        return scrape.scrape(self.url, timeout=10)
+        return server_metrics(self.url)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -197,35 +209,6 @@ def wait_healthy(servers: list[Server], timeout: float = 400.0) -> None:
         time.sleep(0.5)
 
 
-@contextlib.contextmanager
-def kvpush_proxy(mode: str, prefill: Server, decode: Server, log_path: Path) -> Iterator[str]:
-    """README's `kvpush proxy`, in the root namespace; no retries, so each failure reaches
-    the client, and a decode cut off for a while is not ejected."""
-    backend = prefill.url
-    if mode == "push":
-        backend = format_backend(
-            Backend(prefill.url, "prefill-0", prefill.host.address, CONTROL_PORT, 1)
-        )
-    cmd = [sys.executable, "-m", "kvpush.cli", "proxy", "--mode", mode]
-    cmd += ["--host", "127.0.0.1", "--port", str(PROXY_PORT)]
-    cmd += ["--prefill", backend, "--decode", decode.url]
-    cmd += ["--request-timeout", str(REQUEST_TIMEOUT_S), "--retries", "0"]
-    cmd += ["--health-interval", "0.5", "--eject-after", "100", "--return-after", "1"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{PROXY_PORT}"
-        try:
-            deadline = time.monotonic() + 30
-            while not http_ok(url + "/health"):
-                assert proc.poll() is None, f"kvpush proxy exited with code {proc.returncode}"
-                assert time.monotonic() < deadline, "kvpush proxy did not come up"
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def network() -> Iterator[netns.Hosts]:
     problem = netns.unavailable()
@@ -255,7 +238,17 @@ def pair(
         start_server(prefill, tiny_model, mode, cores[0], work)
         start_server(decode, tiny_model, mode, cores[-1], work)
         wait_healthy([prefill, decode])
-        with kvpush_proxy(mode, prefill, decode, work / "proxy.log") as proxy:
+        backend = prefill.url
+        if mode == "push":  # README's proxy line: push names prefill's control address
+            backend = format_backend(
+                Backend(prefill.url, "prefill-0", a.address, CONTROL_PORT, 1)
+            )
+        with kvpush_proxy(
+            mode, backend, decode.url, PROXY_PORT, work / "proxy.log", REQUEST_TIMEOUT_S
+        ) as proxy:
+            # the first request of a pair connects NIXL and warms vLLM's kernels: not measured
+            problem = asyncio.run(warm_up(proxy, str(tiny_model)))
+            assert problem is None, f"warm-up through the proxy failed: {problem}"
             yield Pair(mode, network, prefill, decode, proxy, tiny_model, capture)
     finally:
         network.restore(b)
@@ -270,19 +263,28 @@ def pair(
 # -- helpers ------------------------------------------------------------------------------
 
 
+def report(line: str) -> None:
+    """A summary line: printed now, and again when the pair stops (run with -s)."""
+    SUMMARY.append(line)
+    print(line)
+
+
 def external_tokens(server: Server) -> float:
     return scrape.total(server.metrics(), EXTERNAL, source="external_kv_transfer")
 
 
-def kv_usage(server: Server) -> float:
-    return scrape.total(server.metrics(), "vllm:kv_cache_usage_perc")
+def ask_counted(pair: Pair, body: dict[str, Any], path: str = "/v1/completions") -> Any:
+    """`body` through the proxy; asserts that decode counted every prompt token of the
+    answer as loaded by KV transfer, and returns the answer."""
+    before = external_tokens(pair.decode)
+    answer = pair.ask(body, path)
+    read = external_tokens(pair.decode) - before
+    assert read == answer["usage"]["prompt_tokens"] > 0, (body, read)
+    return answer
 
 
 def kv_bytes_per_token(model: Path) -> int:
-    config = json.loads((model / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[config["torch_dtype"]]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
+    return read_model(model).shape.kv_bytes_per_token
 
 
 def fresh_prompt(label: str) -> str:
@@ -302,13 +304,7 @@ def wait_for_line(server: Server, needle: str, after: int, timeout: float) -> fl
 
 
 def idle_after(p: Pair, timeout: float) -> float:
-    started = time.monotonic()
-    while True:
-        usage = {s.name: kv_usage(s) for s in (p.prefill, p.decode)}
-        if not any(usage.values()):
-            return time.monotonic() - started
-        assert time.monotonic() - started < timeout, f"KV blocks leaked: usage {usage}"
-        time.sleep(0.2)
+    return kv_idle_after({s.name: s.url for s in (p.prefill, p.decode)}, timeout)
 
 
 # -- the checks ---------------------------------------------------------------------------
@@ -317,25 +313,18 @@ def idle_after(p: Pair, timeout: float) -> float:
 def test_answers_equal_a_single_server_and_every_prompt_token_crossed(
     pair: Pair, reference: Reference
 ) -> None:
-    moved = 0.0
+    moved = 0
     for prompt in PROMPTS:
-        before = external_tokens(pair.decode)
-        answer = pair.ask(completion(pair.model, prompt))
-        read = external_tokens(pair.decode) - before
+        answer = ask_counted(pair, completion(pair.model, prompt))
         assert answer["choices"][0]["text"] == reference.completions[prompt], prompt
-        assert read == answer["usage"]["prompt_tokens"] > 0, (prompt, read)
-        moved += read
-    before = external_tokens(pair.decode)
-    answer = pair.ask(chat(pair.model), "/v1/chat/completions")
+        moved += answer["usage"]["prompt_tokens"]
+    answer = ask_counted(pair, chat(pair.model), "/v1/chat/completions")
     assert answer["choices"][0]["message"]["content"] == reference.chat
-    assert external_tokens(pair.decode) - before == answer["usage"]["prompt_tokens"]
-    line = (
+    report(
         f"HOSTS {pair.mode}: {len(PROMPTS) + 1} answers equal a single server's; "
-        f"{moved + answer['usage']['prompt_tokens']:.0f} prompt tokens all by KV transfer "
+        f"{moved + answer['usage']['prompt_tokens']} prompt tokens all by KV transfer "
         f"({pair.prefill.host.address} -> {pair.decode.host.address})"
     )
-    SUMMARY.append(line)
-    print(line)
 
 
 def test_the_kv_crossed_decodes_link_in_ucx_tcp_connections(pair: Pair) -> None:
@@ -343,11 +332,9 @@ def test_the_kv_crossed_decodes_link_in_ucx_tcp_connections(pair: Pair) -> None:
     http_or_control = {PREFILL_PORT, DECODE_PORT, CONTROL_PORT}
     before = {f: len(d) for f, d in pair.capture.flows().items()}
     link_before = pair.hosts.link_bytes(b)
-    external = external_tokens(pair.decode)
-    answer = pair.ask(completion(pair.model, fresh_prompt(f"{pair.mode} over the link")))
-    tokens = external_tokens(pair.decode) - external
-    assert tokens == answer["usage"]["prompt_tokens"]
-    kv = int(tokens) * kv_bytes_per_token(pair.model)
+    answer = ask_counted(pair, completion(pair.model, fresh_prompt(f"{pair.mode} over the link")))
+    tokens = answer["usage"]["prompt_tokens"]
+    kv = tokens * kv_bytes_per_token(pair.model)
     time.sleep(0.5)  # the capture thread catches up
     link = pair.hosts.link_bytes(b) - link_before
     data = {
@@ -361,13 +348,11 @@ def test_the_kv_crossed_decodes_link_in_ucx_tcp_connections(pair: Pair) -> None:
     assert link >= kv
     ports = sorted({f[1] if f[0] == a.address and f[1] not in http_or_control else f[3]
                     for f in data if data[f]})  # fmt: skip
-    line = (
-        f"HOSTS {pair.mode}: {kv} bytes of KV ({tokens:.0f} tokens) "
+    report(
+        f"HOSTS {pair.mode}: {kv} bytes of KV ({tokens} tokens) "
         f"crossed decode's link in UCX TCP connections ({moved} payload bytes, prefill-side "
         f"ports {ports}); {link} bytes on the link in all"
     )
-    SUMMARY.append(line)
-    print(line)
 
 
 def test_what_crosses_names_the_hosts_addresses_never_loopback(pair: Pair) -> None:
@@ -391,13 +376,11 @@ def test_what_crosses_names_the_hosts_addresses_never_loopback(pair: Pair) -> No
     listening = listeners(a)
     expected = "0.0.0.0" if pair.mode == "pull" else a.address
     assert (expected, CONTROL_PORT) in listening, listening
-    line = (
+    report(
         f"HOSTS {pair.mode}: control frames name {a.address} and {b.address} only; "
         f"remote_host {sorted(n.decode() for n in named)}; prefill's control port listens on "
         f"{expected}:{CONTROL_PORT}; no {', '.join(x.decode() for x in LOOPBACK)} crossed"
     )
-    SUMMARY.append(line)
-    print(line)
 
 
 def listeners(host: netns.Host) -> set[tuple[str, int]]:
@@ -462,19 +445,15 @@ def test_decode_link_cut_mid_transfer_fails_within_the_bound_and_leaks_nothing(
         assert time.monotonic() < deadline, "the proxy did not take decode back"
         time.sleep(0.2)
     nxt_started = time.monotonic()
-    external = external_tokens(pair.decode)
-    nxt = pair.ask(completion(pair.model, after), rid=f"mh-{pair.mode}-after-cut")
+    nxt = ask_counted(pair, completion(pair.model, after))
     assert nxt["choices"][0]["text"] == expected["choices"][0]["text"]
-    assert external_tokens(pair.decode) - external == nxt["usage"]["prompt_tokens"]
     kinds = failure_kinds(pair.decode)
-    line = (
+    report(
         f"HOSTS {pair.mode} link cut: decode's link down {cut_at:.1f} s into the request "
         f"(transfer in flight), decode failed it at {failed_at:.1f} s ({kinds}); client got "
         f"HTTP {status} after {took:.1f} s once the link was back ({body[:120]!r}); KV usage "
         f"0 on both {idle:.1f} s later; next request ok in {time.monotonic() - nxt_started:.2f} s"
     )
-    SUMMARY.append(line)
-    print(line)
 
 
 def failure_kinds(server: Server) -> str:
