@@ -60,7 +60,8 @@ def register(subparsers: Any) -> None:
         "up",
         help="start a local P/D deployment (prefill + decode vLLM servers + proxy)",
         description="Start N prefill and M decode vLLM servers and the kvpush proxy on "
-        "127.0.0.1, wait until all are healthy, and keep them running until Ctrl-C.",
+        "127.0.0.1 (the servers on namespace hosts with --hosts), wait until all are "
+        "healthy, and keep them running until Ctrl-C.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
