@@ -80,7 +80,11 @@ def transfer(
         cwd=ROOT, env=run, **pipes,
     )  # fmt: skip
     # a hung peer would block the reads below: kill both at the bound (reads then end)
-    watchdog = threading.Timer(BOUND_S, lambda: [p.kill() for p in (initiator, target)])
+    def kill() -> None:
+        for proc in (initiator, target):
+            proc.kill()
+
+    watchdog = threading.Timer(BOUND_S, kill)
     watchdog.start()
     try:
         assert target.stdin and target.stdout and initiator.stdin and initiator.stdout
