@@ -176,6 +176,25 @@ def make_prompts(
     return prompts
 
 
+def model_prompts(model: Path, count: int, input_len: int, seed: int) -> list[str]:
+    """`make_prompts` with lengths counted by `model`'s own tokenizer."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return make_prompts(count, input_len, seed, lambda text: len(tokenizer.encode(text).ids))
+
+
+def pair_settings(model: Path, args: argparse.Namespace) -> PairSettings:
+    """The 1P1D pair from the --workdir, --port, --kv-port and --startup-timeout options."""
+    return PairSettings(
+        model,
+        workdir=args.workdir,
+        port=args.port,
+        kv_port=args.kv_port,
+        startup_timeout=args.startup_timeout,
+    )
+
+
 def failure_reason(results: Sequence[RequestResult], total: int) -> tuple[str, str]:
     """(status, reason) of a load in which some request failed."""
     stalled = next((r for r in results if r.timed_out), None)
@@ -574,19 +593,8 @@ def run_all(
         why = cannot_write(exc, model)
         print(f"{args.prog}: {why}; give a --workdir you can write", file=sys.stderr)
         return 2
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    prompts = make_prompts(
-        load.requests, load.input_len, load.seed, lambda text: len(tokenizer.encode(text).ids)
-    )
-    pair = PairSettings(
-        model,
-        workdir=args.workdir,
-        port=args.port,
-        kv_port=args.kv_port,
-        startup_timeout=args.startup_timeout,
-    )
+    prompts = model_prompts(model, load.requests, load.input_len, load.seed)
+    pair = pair_settings(model, args)
     reports = [run_setup(setup, pair, load, prompts, timed_hooks, label) for setup in setups]
     print(f"\nkvpush {label}: done in {time.monotonic() - started:.0f} s\n")
     return reports, load
