@@ -10,6 +10,7 @@ import ipaddress
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,8 +146,15 @@ def test_leaving_on_an_error_removes_everything_and_kills_what_ran_inside() -> N
     with pytest.raises(RuntimeError, match="the test failed"), netns.Hosts(1) as hosts:
         sleeper = subprocess.Popen(hosts[0].command(["sleep", "60"]))
         name, bridge = hosts[0].netns, hosts.bridge
+        deadline = time.monotonic() + 10
+        while sleeper.pid not in netns._pids(name):  # `ip netns exec` entered it
+            assert time.monotonic() < deadline, "the process never ran inside the host"
+            time.sleep(0.05)
         raise RuntimeError("the test failed")
-    assert sleeper.wait(timeout=10) != 0  # ended by the clean-up
+    try:
+        assert sleeper.wait(timeout=10) != 0  # ended by the clean-up
+    finally:
+        sleeper.kill()
     assert name not in netns_list()
     assert not Path(f"/sys/class/net/{bridge}").exists()
 
