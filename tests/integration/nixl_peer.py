@@ -12,6 +12,9 @@ namespaces while the test process in the middle relays what they exchange:
              line, loads the target and WRITEs its whole memory (4 pieces) REPEAT times,
              timing each; prints {"seconds": [...], "bytes", "digest"} (the digest of what
              it wrote), or {"error"} when a WRITE did not complete within TIMEOUT seconds
+  canceller  MIB: as the initiator, but posts one WRITE of its whole memory, prints
+             {"posted"}, and at the next line releases (cancels) it, printing
+             {"released": NIXL accepted the release, "done": it had completed}
 """
 
 from __future__ import annotations
@@ -86,10 +89,31 @@ def initiator(mib: int, repeat: int, timeout: float) -> None:
         _say({"seconds": seconds, "bytes": sum(n for _, n in local), "digest": _digest(regions)})
 
 
+def canceller(mib: int) -> None:
+    regions = [np.full(mib * 2**20 // REGIONS, 7, dtype=np.uint8) for _ in range(REGIONS)]
+    with NixlTransport("bw-canceller") as transport:
+        transport.register_regions([(r.ctypes.data, r.nbytes) for r in regions])
+        peer_info = json.loads(sys.stdin.readline())
+        peer = transport.add_peer(bytes.fromhex(peer_info["metadata"]))
+        local = [(r.ctypes.data, r.nbytes) for r in regions]
+        remote = [(int(a), int(n)) for a, n in peer_info["regions"]]
+        transfer = transport.write(peer, local, remote)
+        _say({"posted": True})
+        sys.stdin.readline()
+        try:
+            done = transfer.poll()
+        except TransferError:
+            done = False
+        _say({"released": transfer.release(), "done": done})
+        sys.stdin.readline()
+
+
 def main(argv: list[str]) -> None:
     role, mib = argv[0], int(argv[1])
     if role == "target":
         target(mib, idle=argv[2:] == ["idle"])
+    elif role == "canceller":
+        canceller(mib)
     else:
         initiator(mib, int(argv[2]), float(argv[3]))
 
