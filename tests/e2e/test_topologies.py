@@ -55,6 +55,12 @@ EXTERNAL = "vllm:prompt_tokens_by_source_total"
 SUCCESS = "vllm:request_success_total"
 
 
+# vLLM's CPU backend runs a float32 checkpoint in bfloat16 unless told so; in bfloat16 a TP
+# 2 server's split sums round differently from one server's, enough to flip a random-weight
+# model's flat logits. Every server here (the reference too) runs float32.
+FP32 = ("--dtype", "float32")
+
+
 @dataclass(frozen=True)
 class Case:
     args: tuple[str, ...]
@@ -111,6 +117,7 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         port=REFERENCE_PORT,
         eager=True,
         workdir=tmp_path_factory.mktemp("reference"),
+        extra_vllm_args=list(FP32),
     )
     with Topology(config, cores=[0]) as single:
         single.start()
@@ -171,7 +178,8 @@ def running(
     work = tmp_path_factory.mktemp(f"{name}-{setup}")
     slot = 4 * list(CASES).index(name) + 2 * MODES.index(setup)
     deployment = launch(
-        setup, model, work, *case.args, port=REFERENCE_PORT + 1 + slot,
+        setup, model, work, *case.args, f"--vllm-args={' '.join(FP32)}",
+        port=REFERENCE_PORT + 1 + slot,
         kv_port=KV_PORT + 400 + 8 * slot, kv_ports=case.workers,
     )  # fmt: skip
     try:
