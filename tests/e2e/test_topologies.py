@@ -16,9 +16,10 @@ counter must grow by the prompt's tokens, and no kvpush failure may be counted. 
 backend takes block sizes in multiples of 32 (its kernels' `MultipleOf(32)`); the model is
 float32 so that TP's split sums round as one server's do.
 
-The default run takes tp1-to-tp2 (the case that exercises fan-out, heads split across ranks
-and unequal blocks at once); KVPUSH_TOPOLOGIES=all runs every case (about 15 minutes on
-2 cores), KVPUSH_TOPOLOGIES=2p2d,decode-dp2 the ones named.
+The default run takes tp1-to-tp2 in push mode (the case that exercises fan-out, heads split
+across ranks and unequal blocks at once); KVPUSH_TOPOLOGIES=all runs every case in both
+modes, KVPUSH_TOPOLOGIES=2p2d,tp2-to-tp1:kvpush-pull the ones named (a bare case name: both
+modes).
 """
 
 from __future__ import annotations
@@ -81,21 +82,27 @@ CASES = {
     "2p2d": Case(("--prefill", "2", "--decode", "2"), prefills=2, decodes=2, workers=4),
     "decode-dp2": Case(("--decode-dp", "2",), workers=3),
 }
-DEFAULT = ("tp1-to-tp2",)
+DEFAULT = ("tp1-to-tp2:kvpush-push",)
 MODES = ("kvpush-push", "kvpush-pull")
 REFERENCE_PORT = BASE_PORT + 400
 BURST = 8
 
 
-def chosen() -> tuple[str, ...]:
+def chosen() -> set[tuple[str, str]]:
+    """The (case, mode) pairs to run: KVPUSH_TOPOLOGIES=all, or names like `2p2d` (both
+    modes) and `tp2-to-tp1:kvpush-pull` (one), comma-separated."""
     wanted = os.environ.get("KVPUSH_TOPOLOGIES", "")
-    if wanted == "all":
-        return tuple(CASES)
-    names = tuple(n for n in wanted.split(",") if n) or DEFAULT
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        raise ValueError(f"KVPUSH_TOPOLOGIES: unknown {unknown}; cases: {', '.join(CASES)}")
-    return names
+    names = list(CASES) if wanted == "all" else [n for n in wanted.split(",") if n]
+    pairs = set()
+    for name in names or DEFAULT:
+        case, _, mode = name.partition(":")
+        if case not in CASES or mode not in ("", *MODES):
+            raise ValueError(
+                f"KVPUSH_TOPOLOGIES: unknown {name!r}; cases: {', '.join(CASES)}, "
+                f"optionally :{' or :'.join(MODES)}"
+            )
+        pairs |= {(case, m) for m in ([mode] if mode else MODES)}
+    return pairs
 
 
 def completion(model: Path, prompt: str) -> dict[str, Any]:
@@ -172,8 +179,8 @@ def running(
 ) -> Iterator[Running]:
     """One deployment at a time: the cases overlap cores already (TP 2 on 2 cores)."""
     name, setup = request.param
-    if name not in chosen():
-        pytest.skip(f"{name} runs with KVPUSH_TOPOLOGIES=all (or ={name})")
+    if (name, setup) not in chosen():
+        pytest.skip(f"runs with KVPUSH_TOPOLOGIES=all (or ={name}:{setup})")
     case = CASES[name]
     work = tmp_path_factory.mktemp(f"{name}-{setup}")
     slot = 4 * list(CASES).index(name) + 2 * MODES.index(setup)
