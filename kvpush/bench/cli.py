@@ -29,7 +29,7 @@ from kvpush.args import (
     positive_list,
     positive_numbers,
 )
-from kvpush.bench import compare, plot, results, soak, sweep
+from kvpush.bench import compare, plot, results, soak, sweep, turns
 from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.topology import MAIN_SETUPS, SETUPS, PairSettings
@@ -92,6 +92,7 @@ def register(subparsers: Any) -> None:
     )
     plotter.set_defaults(func=run_plot)
     soak.register(tools)
+    turns.register(tools)
 
 
 BENCH_EPILOG = """examples:

@@ -29,15 +29,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvpush.args import at_least, cannot_write, port_number, positive
+from kvpush.args import at_least, cannot_write, positive
 from kvpush.bench.compare import (
     RequestResult,
+    add_pair_options,
+    bench_model,
     model_prompts,
     pair_settings,
     stream_completion,
 )
 from kvpush.testbed import scrape
-from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.topology import (
     MAIN_SETUPS,
     PairSettings,
@@ -46,7 +47,7 @@ from kvpush.testbed.topology import (
     Topology,
     check_setups,
 )
-from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy, warm_up
+from kvpush.testbed.topology_proxy import with_warm_proxy
 
 EPILOG = """\
 examples:
@@ -285,25 +286,6 @@ async def soak(
     return samples, results
 
 
-async def _with_proxy(
-    spec: SoakSpec, topology: Topology, port: int, prompts: Sequence[str]
-) -> tuple[list[Sample], list[RequestResult]]:
-    try:
-        runner = await start_topology_proxy(
-            topology, port, request_timeout=spec.request_timeout + 10
-        )
-    except OSError as exc:
-        raise cannot_listen(port, exc) from None
-    url = local_url(port)
-    try:
-        error = await warm_up(url, str(topology.config.model))
-        if error:
-            raise StartupError(f"warm-up through the proxy failed: {error}")
-        return await soak(spec, topology, url, prompts)
-    finally:
-        await runner.cleanup()
-
-
 def run_soak(spec: SoakSpec, pair: PairSettings, prompts: Sequence[str], out: Path) -> int:
     config = pair.topology(spec.setup, "soak")
     topology = Topology(config)
@@ -317,7 +299,14 @@ def run_soak(spec: SoakSpec, pair: PairSettings, prompts: Sequence[str], out: Pa
             f"{spec.duration:g} s, a sample every {spec.sample_every:g} s",
             flush=True,
         )
-        samples, results = asyncio.run(_with_proxy(spec, topology, pair.port, prompts))
+        samples, results = asyncio.run(
+            with_warm_proxy(
+                topology,
+                pair.port,
+                lambda url: soak(spec, topology, url, prompts),
+                request_timeout=spec.request_timeout + 10,
+            )
+        )
     except StartupError as exc:
         print(f"kvpush bench soak: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
@@ -394,17 +383,10 @@ def register(tools: Any) -> None:
     )  # fmt: skip
     parser.add_argument("--request-timeout", type=positive(), default=defaults.request_timeout)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--port", type=port_number(), default=8000, help="proxy port")
-    parser.add_argument("--kv-port", type=port_number(), default=5600, help="first kvpush port")
-    parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
-    parser.add_argument(
-        "--model", type=Path, default=None,
-        help="model directory (default: the tiny model, built under WORKDIR/models/tiny)",
-    )  # fmt: skip
+    add_pair_options(parser)
     parser.add_argument(
         "--out", type=Path, default=None, help="result directory (default results/soak/<time>)"
     )
-    parser.add_argument("--startup-timeout", type=positive(), default=300.0)
     parser.set_defaults(func=run)
 
 
@@ -415,14 +397,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.prog}: {exc}", file=sys.stderr)
         return 2
     out = args.out or Path("results/soak") / time.strftime("%Y%m%d-%H%M%S")
-    model = args.model or args.workdir / "models" / "tiny"
-    if args.model is not None and not (model / "tokenizer.json").exists():
-        print(f"{args.prog}: --model {model} holds no model (no tokenizer.json)", file=sys.stderr)
-        return 2
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if args.model is None:
-            ensure_tiny_model(model, TinyModelSpec())
+        model = bench_model(args)
+    except ValueError as exc:
+        print(f"{args.prog}: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"{args.prog}: {cannot_write(exc, Path(exc.filename or out))}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ starts, so that importing this module stays cheap (`kvpush --help` imports every
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvpush.testbed.topology import SETUPS, StartupError, Topology
 
@@ -39,6 +40,31 @@ async def start_topology_proxy(topology: Topology, port: int, **settings: Any) -
     from kvpush.proxy.server import start_proxy
 
     return await start_proxy(topology_proxy_config(topology, **settings), "127.0.0.1", port)
+
+
+T = TypeVar("T")
+
+
+async def with_warm_proxy(
+    topology: Topology,
+    port: int,
+    work: Callable[[str], Awaitable[T]],
+    **settings: Any,
+) -> T:
+    """Start the proxy for `topology`, warm the pair up through it, run `work(url)` and
+    stop the proxy; a port that cannot be bound or a failed warm-up is a StartupError."""
+    try:
+        runner = await start_topology_proxy(topology, port, **settings)
+    except OSError as exc:
+        raise cannot_listen(port, exc) from None
+    url = local_url(port)
+    try:
+        error = await warm_up(url, str(topology.config.model))
+        if error:
+            raise StartupError(f"warm-up through the proxy failed: {error}")
+        return await work(url)
+    finally:
+        await runner.cleanup()
 
 
 def cannot_listen(port: int, exc: OSError) -> StartupError:

@@ -12,8 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.conftest import BASE_PORT, KV_PORT, ports_free
 
+pytestmark = pytest.mark.e2e
 PORT, KV = BASE_PORT + 60, KV_PORT + 60  # clear of the other e2e deployments
 
 
