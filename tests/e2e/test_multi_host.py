@@ -24,8 +24,10 @@ listens on 0.0.0.0 (`bind_host`), advertising the host's address. Per mode:
   its bound, the client gets a 502 once the link is back, no KV block leaks on either
   server, and the next request is answered correctly.
 
-Each prints one summary line (run with -s). Time: two server start-ups per mode (about a
-minute each on 2 cores, in parallel) and under a minute of checks: 3-5 minutes in all.
+Each prints one summary line (run with -s). Time: the single reference server, then two
+server start-ups per mode (about a minute each on 2 cores, in parallel) and under a minute
+of checks: 3 min 22 s measured for the module on 2 cores. Part of `make test` (marked
+e2e); skipped, naming the reason, where namespaces cannot be created (not root, no `ip`).
 """
 
 from __future__ import annotations
