@@ -45,7 +45,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +112,7 @@ class Pair:
     proxy: str
     model: Path
     capture: Capture
-    transfers: dict[str, Any] = field(default_factory=dict)
+    reference: Reference  # one plain vLLM server's answers
 
     def ask(self, body: dict[str, Any], path: str = "/v1/completions", rid: str = "") -> Any:
         headers = {"Content-Type": "application/json"}
@@ -225,10 +225,13 @@ def pair(
     request: pytest.FixtureRequest,
     network: netns.Hosts,
     tiny_model: Path,
-    reference: Reference,  # first: the single server is gone before the pair starts
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pair]:
     mode = str(request.param)
+    # the single server's answers, now that `network` skipped where there are no hosts
+    # (a session fixture named in the signature would start it first), and before the
+    # pair starts: it is gone by then
+    reference: Reference = request.getfixturevalue("reference")
     work = tmp_path_factory.mktemp(f"multi-host-{mode}")
     a, b = network
     cores = sorted(os.sched_getaffinity(0))
@@ -251,7 +254,7 @@ def pair(
             # the first request of a pair connects NIXL and warms vLLM's kernels: not measured
             problem = asyncio.run(warm_up(proxy, str(tiny_model)))
             assert problem is None, f"warm-up through the proxy failed: {problem}"
-            yield Pair(mode, network, prefill, decode, proxy, tiny_model, capture)
+            yield Pair(mode, network, prefill, decode, proxy, tiny_model, capture, reference)
     finally:
         network.restore(b)
         capture.stop()
@@ -313,15 +316,15 @@ def idle_after(p: Pair, timeout: float) -> float:
 
 
 def test_answers_equal_a_single_server_and_every_prompt_token_crossed(
-    pair: Pair, reference: Reference
+    pair: Pair,
 ) -> None:
     moved = 0
     for prompt in PROMPTS:
         answer = ask_counted(pair, completion(pair.model, prompt))
-        assert answer["choices"][0]["text"] == reference.completions[prompt], prompt
+        assert answer["choices"][0]["text"] == pair.reference.completions[prompt], prompt
         moved += answer["usage"]["prompt_tokens"]
     answer = ask_counted(pair, chat(pair.model), "/v1/chat/completions")
-    assert answer["choices"][0]["message"]["content"] == reference.chat
+    assert answer["choices"][0]["message"]["content"] == pair.reference.chat
     report(
         f"HOSTS {pair.mode}: {len(PROMPTS) + 1} answers equal a single server's; "
         f"{moved + answer['usage']['prompt_tokens']} prompt tokens all by KV transfer "
