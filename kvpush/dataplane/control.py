@@ -42,6 +42,7 @@ address) tells a peer that is not running from one that is slow.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
@@ -288,12 +289,18 @@ class ControlServer:
         if self._thread is not None:
             raise RuntimeError("control server already started")
         try:
-            listener = socket.create_server((self.host, self._port), backlog=128)
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            both = self.host == "::" and socket.has_dualstack_ipv6()  # "::": IPv4 too
+            listener = socket.create_server(
+                (self.host, self._port), family=family, backlog=128, dualstack_ipv6=both
+            )
         except OSError as exc:
+            busy = exc.errno == errno.EADDRINUSE
             raise OSError(
                 exc.errno,
                 f"cannot listen for control messages on {self.host}:{self._port}: "
-                f"{exc.strerror}; pick a free port or stop the process using it",
+                f"{exc.strerror}"
+                + ("; pick a free port or stop the process using it" if busy else ""),
             ) from exc
         listener.setblocking(False)
         self._port = listener.getsockname()[1]

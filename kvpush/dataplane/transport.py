@@ -16,7 +16,12 @@ and nothing progresses NIXL in the background; instead:
   NIXL_ERR_REMOTE_DISCONNECT, surfaced as `TransferError(kind="remote_disconnect")`.
   If a NIXL build refuses that parameter, the backend falls back to the default mode
   (logged), and then the target must call `get_notifs` regularly for WRITEs to finish;
-- notifications attached to a transfer are only seen when the target calls `get_notifs`.
+- "no help from the target" holds for shared memory and RDMA, not for UCX's TCP transport
+  (two machines without RDMA): there the target's UCX worker must run for the bytes to
+  move, so a node progresses its agent (`get_notifs`) while it may be the target of a
+  transfer, and only then (`kvpush.node.progress`);
+- notifications attached to a transfer are only seen when the target calls `get_notifs`
+  (kvpush attaches none: completions travel on the control channel).
 
 The agent is created with NIXL's strict thread synchronisation, so one transport may be
 used from several threads (a handshake thread adding peers, a writer thread posting).

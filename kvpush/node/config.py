@@ -24,6 +24,7 @@ from typing import Any
 
 from kvpush.core.protocol import MODES
 from kvpush.dataplane.control import Limits
+from kvpush.node.address import check_advertised
 from kvpush.node.faults import ENV as FAULTS_ENV
 from kvpush.node.faults import Faults
 
@@ -45,8 +46,11 @@ TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
 @dataclass(frozen=True, slots=True)
 class KvpushConfig:
     mode: str = "push"
+    # The control port's address advertised to peers (Hello, registrations, pull
+    # coordinates) and the one it listens on ("": host); see kvpush.node.address.
     host: str = "127.0.0.1"
     port: int = 5600
+    bind_host: str = ""
     # How long a decode waits for prefill's KV before failing the request; also how long
     # prefill may still start a WRITE after a registration arrived, and how long a posted
     # transfer may take before it is cancelled.
@@ -83,6 +87,7 @@ class KvpushConfig:
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"side-channel port {self.port} is out of range")
+        check_advertised(self.host)
         tls = [bool(getattr(self, key)) for key in TLS_KEYS]
         if any(tls) and not all(tls):
             raise ValueError(
@@ -100,6 +105,10 @@ class KvpushConfig:
         the same idle timeout never closes it under a frame in flight."""
         return self.control.idle_timeout_s / 2
 
+    @property
+    def listen_host(self) -> str:
+        return self.bind_host or self.host
+
     @classmethod
     def from_extra(
         cls,
@@ -114,6 +123,7 @@ class KvpushConfig:
         known = {
             "mode",
             "host",
+            "bind_host",
             "port",
             "transfer_timeout_s",
             "lease_s",
@@ -155,6 +165,7 @@ class KvpushConfig:
             mode=str(extra.get("mode", "push")),
             host=str(extra.get("host", env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))),
             port=int(extra.get("port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))),
+            bind_host=str(extra.get("bind_host", "")),
             transfer_timeout_s=float(extra.get("transfer_timeout_s", 30.0)),
             lease_s=float(extra.get("lease_s", 30.0)),
             fence_s=float(extra.get("fence_s", 5.0)),

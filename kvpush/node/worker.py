@@ -25,7 +25,9 @@ says whether decode's READ was valid, so it cannot wait for a queue).
 Progress model: NIXL's own progress thread is off (it spins a core); transfers are
 initiator-driven (UCX with error handling "none"), so the initiator polls only while a
 transfer it posted is in flight, and completions travel as frames on the control channel.
-Idle, nothing spins.
+The target of a transfer (decode in push, prefill in pull) calls into NIXL only while one
+may be under way (`kvpush.node.progress`): UCX's TCP transport, used between machines
+without RDMA, moves bytes only while the target's worker runs. Idle, nothing spins.
 
 Nothing here imports vLLM: `kvpush.vllm` reads vLLM's KV cache into a `KVLayout` and calls
 `start`, so the node runs (and is tested) on any memory a `KVLayout` describes.
@@ -54,9 +56,12 @@ from kvpush.core.protocol import (
 )
 from kvpush.dataplane.control import ControlServer, Peer, tls_contexts
 from kvpush.dataplane.transport import NixlTransport
+from kvpush.node.address import listen_failed
 from kvpush.node.config import KvpushConfig
 from kvpush.node.context import Context, Identity, Transport
 from kvpush.node.inbox import ConnectionClosed, Registered
+from kvpush.node.progress import TargetProgress
+from kvpush.node.progress import for_part as target_progress
 from kvpush.node.pull import LeaseKeeper
 from kvpush.node.push import PushWriter
 from kvpush.node.receiver import Receiver
@@ -82,6 +87,7 @@ class WorkerSide:
         self.ctx: Context | None = None
         # Prefill: the writer (push) or the lease keeper (pull); decode: the receiver.
         self.part: Part | None = None
+        self.progress: TargetProgress | None = None  # the target's NIXL progress, if needed
         self._routes: dict[type, Route] = {}
         # Server thread only: the Hello each open connection handshook with (compatible
         # or not), so a registration binds to the incarnation that sent it.
@@ -135,8 +141,10 @@ class WorkerSide:
         self.ctx = ctx = Context(config, ident, transport, hello, self.results, client_tls)
         self.part = self._make_part(ctx)
         self.part.start()
+        if self.transport is not None:
+            self.progress = target_progress(self.transport, self.part)
         self.server = ControlServer(
-            config.host,
+            config.listen_host,
             self.port,
             self._on_message,
             secret=config.secret,
@@ -144,10 +152,13 @@ class WorkerSide:
             tls=server_tls,
             on_close=self._closed,
         )
-        self.server.start()
+        try:
+            self.server.start()
+        except OSError as exc:
+            raise listen_failed(exc, config.listen_host, config.host) from exc
         log.info(
             "kvpush %s worker %d/%d: %d layers x %d blocks of %d tokens, %d of %d KV heads "
-            "(%s), control on %s:%d",
+            "(%s), control on %s:%d (listening on %s)",
             ident.role,
             ident.tp_rank,
             ident.tp_size,
@@ -159,6 +170,7 @@ class WorkerSide:
             kv_dtype,
             self.config.host,
             self.port,
+            self.config.listen_host,
         )
         if self.config.secret is None:
             log.warning(
@@ -266,8 +278,11 @@ class WorkerSide:
             now = time.monotonic()
             # prefill takes finished prefills, decode its allocations; both take aborts but
             # a pull prefill, whose request that ended early granted no lease
-            for item in send if self.identity.role == "prefill" else recv:
+            items = send if self.identity.role == "prefill" else recv
+            for item in items:
                 part.inbox.put((item, now))
+            if items and self.progress is not None:
+                self.progress.wake()  # a transfer into (push) or out of (pull) us may start
             if not isinstance(part, LeaseKeeper):
                 for abort in aborted:
                     part.inbox.put((abort, now))
@@ -298,6 +313,8 @@ class WorkerSide:
             self.server.stop()
         if self.part is not None:
             self.part.stop()
+        if self.progress is not None:
+            self.progress.stop()
         if self.transport is not None:
             self.transport.close()
 

@@ -3,6 +3,11 @@
 Used by `kvpush up`, the benchmark and the end-to-end tests, so all three run the exact
 same set-up. Every server runs in its own process session, so stopping it kills the whole
 tree vLLM spawned (API server, engine core, workers) and frees its ports.
+
+All servers listen on 127.0.0.1, unless the topology is given hosts (network namespaces,
+`kvpush.testbed.hosts`): then each server runs inside one (`ip netns exec`), listens and
+advertises its control port on that host's address, and UCX is kept to TCP over the
+host's link, as between machines.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.proxy.rewrite import Backend
+from kvpush.testbed.hosts import UCX_ENV, Host
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +234,12 @@ class ServerSpec:
     env: dict[str, str]
     log_path: Path
     parallel: Parallel = Parallel()
+    address: str = "127.0.0.1"  # its HTTP and control ports listen here
+    netns: str = ""  # the network namespace it runs in ("": this one)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     @property
     def kv_ports(self) -> range:
@@ -240,7 +248,7 @@ class ServerSpec:
 
     def backend(self) -> Backend:
         if self.role == "prefill":
-            return Backend(self.url, self.engine_id, "127.0.0.1", self.kv_port, self.parallel.tp)
+            return Backend(self.url, self.engine_id, self.address, self.kv_port, self.parallel.tp)
         return Backend(self.url)
 
 
@@ -341,8 +349,25 @@ class PairSettings:
         )
 
 
-def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> list[ServerSpec]:
-    """The servers a topology runs, with ports, engine ids, cores, argv and env."""
+def assign_hosts(n_prefill: int, n_decode: int, hosts: Sequence[Host]) -> list[Host]:
+    """The host of each server, prefill servers first: each its own while there are enough,
+    else prefill servers round-robin over the first half of the hosts, decode servers
+    over the rest (so that prefill and decode never share one while there are two)."""
+    total = n_prefill + n_decode
+    if not hosts or len(hosts) >= total:
+        return list(hosts[:total])
+    half = max(1, min(len(hosts) - 1, len(hosts) * n_prefill // max(total, 1)))
+    first, rest = hosts[:half], hosts[half:] or hosts[:half]
+    return [first[i % len(first)] for i in range(n_prefill)] + [
+        rest[i % len(rest)] for i in range(n_decode)
+    ]
+
+
+def build_specs(
+    config: TopologyConfig, cores: Sequence[int] | None = None, hosts: Sequence[Host] = ()
+) -> list[ServerSpec]:
+    """The servers a topology runs, with ports, engine ids, cores, argv and env; with
+    `hosts`, each runs inside one of them (see the module)."""
     available = sorted(cores if cores is not None else os.sched_getaffinity(0))
     logs = config.workdir / "logs"
     if config.setup is None:
@@ -352,13 +377,16 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
         roles += [("decode", i) for i in range(config.n_decode)]
     n_pre = sum(1 for r, _ in roles if r == "prefill")
     shares = assign_cores(n_pre, len(roles) - n_pre, available) if config.setup else [available]
+    placed: list[Host | None] = list(assign_hosts(n_pre, len(roles) - n_pre, hosts))
+    placed = placed or [None] * len(roles)
     specs = []
     kv_port = config.kv_port
-    for (role, i), share in zip(roles, shares, strict=True):
+    for (role, i), share, host in zip(roles, shares, placed, strict=True):
         offset = {"prefill": 100, "decode": 200, "single": 300}[role]
         name = f"{role}-{i}"
         port = config.port + offset + i
         parallel = config.parallel.get(role, Parallel())
+        address = host.address if host else "127.0.0.1"
         argv = [
             sys.executable,
             "-m",
@@ -366,7 +394,7 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
             "--model",
             str(config.model),
             "--host",
-            "127.0.0.1",
+            address,
             "--port",
             str(port),
             "--max-num-seqs",
@@ -393,19 +421,21 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
             "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
             "VLLM_CPU_OMP_THREADS_BIND": rank_binding(share, parallel.ranks, available),
             "VLLM_CACHE_ROOT": str((config.workdir / "vllm-cache").resolve()),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": address,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
             "KVPUSH_SECRET": config.secret,
             "PYTHONUNBUFFERED": "1",
+            **(UCX_ENV if host else {}),
             **hook_env(config, name),
             **config.extra_env,
         }
-        specs.append(
-            ServerSpec(
-                name, role, port, kv_port, name, list(share), argv, env, logs / f"{name}.log",
-                parallel,
-            )
+        spec = ServerSpec(
+            name, role, port, kv_port, name, list(share), argv, env, logs / f"{name}.log",
+            parallel,
         )  # fmt: skip
+        if host is not None:
+            spec.argv, spec.address, spec.netns = host.command(argv), address, host.netns
+        specs.append(spec)
         kv_port += parallel.ranks  # each worker has its own control port
     return specs
 
@@ -447,10 +477,10 @@ def log_tail(path: Path, lines: int = 25) -> str:
     return "\n".join(f"    | {line}" for line in text[-lines:])
 
 
-def port_in_use(port: int) -> bool:
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+        return sock.connect_ex((host, port)) == 0
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:
@@ -464,9 +494,11 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
 class Topology:
     """The running servers of one configuration. Use as a context manager."""
 
-    def __init__(self, config: TopologyConfig, cores: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, config: TopologyConfig, cores: Sequence[int] | None = None, hosts: Sequence[Host] = ()
+    ) -> None:
         self.config = config
-        self.specs = build_specs(config, cores)
+        self.specs = build_specs(config, cores, hosts)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
@@ -484,7 +516,9 @@ class Topology:
         self.stop()
 
     def start(self) -> None:
-        busy = [s for s in self.specs if any(port_in_use(p) for p in (s.port, *s.kv_ports))]
+        busy = [
+            s for s in self.specs if any(port_in_use(p, s.address) for p in (s.port, *s.kv_ports))
+        ]
         if busy:
             raise StartupError(
                 "ports already in use: "
@@ -558,7 +592,9 @@ class Topology:
             proc.wait()
         self.procs.clear()
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and any(port_in_use(s.port) for s in self.specs):
+        while time.monotonic() < deadline and any(
+            port_in_use(s.port, s.address) for s in self.specs
+        ):
             time.sleep(0.1)
 
     def proxy_backends(self) -> tuple[list[Backend], list[Backend]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.args import allow_dash_value, at_least, port_number, positive
+from kvpush.testbed.hosts import Hosts, HostsError
 from kvpush.testbed.topology import (
     SETUPS,
     Parallel,
@@ -36,6 +37,10 @@ ports: the proxy listens on --port; prefill i on PORT+100+i, decode j on PORT+20
 side channels (control ports) from KV_PORT on, one per worker (TP rank of each DP
 engine) of each server in turn; logs go to WORKDIR/logs/.
 
+hosts: with --hosts N (root), the servers run in N network namespaces joined by a bridge,
+each with its own address in 198.18.0.0/15 (prefill and decode on different ones), the
+KV moving over the link by UCX over TCP; the proxy stays here on 127.0.0.1:PORT.
+
 examples:
   kvpush model tiny models/tiny && kvpush up --connector vllm-push --model models/tiny
   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -46,6 +51,7 @@ examples:
   kvpush up --connector kvpush-push --model models/tiny --prefill-tp 2 --decode-tp 1
   kvpush up --connector kvpush-pull --model models/tiny --decode-dp 2 \
        --prefill-block-size 32 --decode-block-size 64
+  sudo kvpush up --connector kvpush-push --model models/tiny --hosts 2
 """
 
 
@@ -54,7 +60,8 @@ def register(subparsers: Any) -> None:
         "up",
         help="start a local P/D deployment (prefill + decode vLLM servers + proxy)",
         description="Start N prefill and M decode vLLM servers and the kvpush proxy on "
-        "127.0.0.1, wait until all are healthy, and keep them running until Ctrl-C.",
+        "127.0.0.1 (the servers on namespace hosts with --hosts), wait until all are "
+        "healthy, and keep them running until Ctrl-C.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -124,6 +131,15 @@ def register(subparsers: Any) -> None:
             help=f"KV block size of {role} servers (default: the attention backend's; "
             "vLLM's CPU backend takes multiples of 32)",
         )
+    parser.add_argument(
+        "--hosts",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="run the servers on N hosts: network namespaces on a bridge (needs root); "
+        "prefill and decode on different ones from N=2, the proxy here (default: all on "
+        "127.0.0.1)",
+    )
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument("--startup-timeout", type=positive(), default=600.0)
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
@@ -168,7 +184,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpush up: {exc}", file=sys.stderr)
         return 2
-    topology = Topology(config)
+    hosts = Hosts(args.hosts) if args.hosts else None
+    try:
+        if hosts is not None:
+            hosts.create()
+    except HostsError as exc:
+        print(f"kvpush up: --hosts: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return _run(Topology(config, hosts=list(hosts or ())), args)
+    finally:
+        if hosts is not None:
+            hosts.close()
+
+
+def _run(topology: Topology, args: argparse.Namespace) -> int:
     stop_requested = False
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -210,8 +240,10 @@ def _print_plan(topology: Topology) -> None:
         kv = f"{ports[0]}" if len(ports) == 1 else f"{ports[0]}-{ports[-1]}"
         print(
             f"  {spec.name:<10} {spec.url:<24} engine {spec.engine_id:<10} "
-            f"kv 127.0.0.1:{kv:<11} cores {spec.env['VLLM_CPU_OMP_THREADS_BIND']:<5} "
-            f"{spec.parallel.describe():<10} log {spec.log_path}",
+            f"kv {spec.address}:{kv:<11} cores {spec.env['VLLM_CPU_OMP_THREADS_BIND']:<5} "
+            f"{spec.parallel.describe():<10} "
+            + (f"netns {spec.netns} " if spec.netns else "")
+            + f"log {spec.log_path}",
             flush=True,
         )
 

@@ -6,6 +6,7 @@ started once and all checks that can share it do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,15 +15,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpush.testbed import scrape
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
-from kvpush.testbed.topology import Topology, TopologyConfig, port_in_use
+from kvpush.testbed.topology import Topology, TopologyConfig, http_ok, port_in_use
 
 BASE_PORT = int(os.environ.get("KVPUSH_TEST_PORT", "18000"))
 KV_PORT = int(os.environ.get("KVPUSH_TEST_KV_PORT", "15600"))
@@ -247,6 +249,61 @@ def deployment_factory(tiny_model: Path, tmp_path_factory: pytest.TempPathFactor
     yield start
     for d in started:
         d.stop()
+
+
+def server_metrics(url: str) -> dict[scrape.Sample, float]:
+    """A server's /metrics; this shared VM stalls for seconds at times, so a slow read is
+    retried (for up to a minute) rather than failing a scenario."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return scrape.scrape(url, timeout=10)
+        except (TimeoutError, urllib.error.URLError):
+            if time.monotonic() > deadline:
+                raise
+
+
+def kv_usage(url: str) -> float:
+    return scrape.total(server_metrics(url), "vllm:kv_cache_usage_perc")
+
+
+def kv_idle_after(servers: Mapping[str, str], timeout: float) -> float:
+    """Seconds until the KV usage of every server (name: URL) is back to zero; fails
+    after `timeout` naming what each still holds."""
+    started = time.monotonic()
+    while True:
+        usage = {name: kv_usage(url) for name, url in servers.items()}
+        if not any(usage.values()):
+            return time.monotonic() - started
+        assert time.monotonic() - started < timeout, f"KV blocks leaked: usage {usage}"
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def kvpush_proxy(
+    mode: str, prefill: str, decode: str, port: int, log_path: Path, request_timeout: float
+) -> Iterator[str]:
+    """`kvpush proxy` on 127.0.0.1:`port` in front of one prefill (a backend spec) and one
+    decode (a URL); yields its URL once healthy. No retries, so each failure reaches the
+    client; frozen backends are not ejected within a test (the connector's bounds are what
+    is measured), refused connections are, and one passing check brings them back."""
+    cmd = [sys.executable, "-m", "kvpush.cli", "proxy", "--mode", mode]
+    cmd += ["--prefill", prefill, "--decode", decode]
+    cmd += ["--port", str(port), "--request-timeout", str(request_timeout), "--retries", "0"]
+    cmd += ["--health-interval", "0.5", "--eject-after", "100", "--return-after", "1"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while not http_ok(url + "/health"):
+                assert proc.poll() is None, f"kvpush proxy exited with code {proc.returncode}"
+                assert time.monotonic() < deadline, "kvpush proxy did not come up"
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 def ports_free(ports: tuple[int, ...], wait: float = 10.0) -> bool:

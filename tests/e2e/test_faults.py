@@ -26,8 +26,6 @@ import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -52,7 +50,16 @@ from kvpush.dataplane.control import frame, proof
 from kvpush.proxy.rewrite import format_backend
 from kvpush.testbed import scrape
 from kvpush.testbed.topology import ServerSpec, Topology, TopologyConfig, http_ok, port_in_use
-from tests.e2e.conftest import BASE_PORT, KV_PORT, PROMPTS, completion
+from tests.e2e.conftest import (
+    BASE_PORT,
+    KV_PORT,
+    PROMPTS,
+    completion,
+    kv_idle_after,
+    kvpush_proxy,
+    server_metrics,
+)
+from tests.e2e.conftest import kv_usage as kv_usage_at
 
 pytestmark = pytest.mark.e2e
 
@@ -92,32 +99,6 @@ def with_connector_settings(topology: Topology, settings: dict[str, Any]) -> Non
         spec.argv[i] = json.dumps(transfer)
 
 
-@contextlib.contextmanager
-def kvpush_proxy(topology: Topology, mode: str, port: int) -> Iterator[str]:
-    """`kvpush proxy` in front of the pair. No retries, so each failure reaches the
-    client; frozen backends are not ejected within a test (the connector's bounds are
-    what is measured), refused connections are, and one passing check brings them back."""
-    prefill, decode = topology.prefill[0], topology.decode[0]
-    cmd = [sys.executable, "-m", "kvpush.cli", "proxy", "--mode", mode]
-    cmd += ["--prefill", format_backend(prefill.backend()), "--decode", decode.url]
-    cmd += ["--port", str(port), "--request-timeout", str(REQUEST_TIMEOUT_S), "--retries", "0"]
-    cmd += ["--health-interval", "0.5", "--eject-after", "100", "--return-after", "1"]
-    log = open(topology.config.workdir / "logs" / "proxy.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while not http_ok(url + "/health"):
-            assert proc.poll() is None, f"kvpush proxy exited with code {proc.returncode}"
-            assert time.monotonic() < deadline, "kvpush proxy did not come up"
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
 @pytest.fixture(scope="module", params=["push", "pull"])
 def d(
     request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -142,7 +123,11 @@ def d(
         with_connector_settings(topology, settings)
         topology.start()
         topology.wait_healthy(timeout=400)
-        with kvpush_proxy(topology, mode, PORT) as proxy:
+        prefill, decode = topology.prefill[0], topology.decode[0]
+        with kvpush_proxy(
+            mode, format_backend(prefill.backend()), decode.url, PORT,
+            config.workdir / "logs" / "proxy.log", REQUEST_TIMEOUT_S,
+        ) as proxy:  # fmt: skip
             deployment = Deployment(mode, topology, proxy, tiny_model)
             ask(deployment, "warm-up")
             yield deployment
@@ -196,30 +181,16 @@ def ask_and_leave(d: Deployment, request_id: str, after: float) -> None:
 
 
 def metrics(spec: ServerSpec) -> dict[scrape.Sample, float]:
-    """`spec`'s /metrics; this shared VM stalls for seconds at times, so a slow read is
-    retried (for up to a minute) rather than failing a scenario."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return scrape.scrape(spec.url, timeout=10)
-        except (TimeoutError, urllib.error.URLError):
-            if time.monotonic() > deadline:
-                raise
+    return server_metrics(spec.url)
 
 
 def kv_usage(spec: ServerSpec) -> float:
-    return scrape.total(metrics(spec), "vllm:kv_cache_usage_perc")
+    return kv_usage_at(spec.url)
 
 
 def idle_after(d: Deployment, timeout: float = 20.0) -> float:
     """Seconds until both servers' KV usage is back to zero (fails after `timeout`)."""
-    started = time.monotonic()
-    while True:
-        usage = {s.name: kv_usage(s) for s in (d.prefill, d.decode)}
-        if not any(usage.values()):
-            return time.monotonic() - started
-        assert time.monotonic() - started < timeout, f"KV blocks leaked: usage {usage}"
-        time.sleep(0.2)
+    return kv_idle_after({s.name: s.url for s in (d.prefill, d.decode)}, timeout)
 
 
 def failures(spec: ServerSpec, kind: str) -> float:

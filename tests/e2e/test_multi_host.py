@@ -1,0 +1,488 @@
+"""Prefill and decode on two hosts: network namespaces on this machine, joined by a bridge.
+
+Host A runs prefill, host B decode, each a network namespace with one veth link into a
+bridge in the root namespace (`kvpush.testbed.hosts`, addresses from 198.18.0.0/15, no
+route anywhere else), where this test and `kvpush proxy` run. The servers start as
+README's "Deploy" tells an operator - `python -m vllm.entrypoints.openai.api_server
+--model ... --kv-transfer-config '{"kv_connector": "KvpushConnector", ...}'` with the
+host's address and port in `kv_connector_extra_config` and `KVPUSH_SECRET` - run inside
+each host by `ip netns exec`, importing this checkout's kvpush (PYTHONPATH). UCX is kept to
+TCP on the link (`UCX_TLS=tcp`, `UCX_NET_DEVICES=eth0`): namespaces of one machine share
+its memory, and UCX would otherwise move the KV through it (cma), never over the link.
+
+Push loads the connector by name (kvpush's `vllm.general_plugins` entry point) and its
+control ports listen on the host's address; pull names `kv_connector_module_path` and
+listens on 0.0.0.0 (`bind_host`), advertising the host's address. Per mode:
+
+- answers equal one plain vLLM server's at temperature 0, and decode counts every prompt
+  token as `external_kv_transfer`;
+- the KV crossed decode's link in TCP connections of UCX's own (not the control port);
+- what crossed the links - Hellos, registrations, notices, pull coordinates - names the
+  hosts' addresses, never 127.0.0.1, localhost or the wildcard bind address;
+- decode's link cut mid-transfer (`ip link set` down on its bridge port, while the
+  `delay_write` test hook holds the transfer in flight): decode fails the request within
+  its bound, the client gets a 502 once the link is back, no KV block leaks on either
+  server, and the next request is answered correctly.
+
+Each prints one summary line (run with -s). Time: the single reference server, then two
+server start-ups per mode (about a minute each on 2 cores, in parallel) and under a minute
+of checks: 3 min 22 s measured for the module on 2 cores. Part of `make test` (marked
+e2e); skipped, naming the reason, where namespaces cannot be created (not root, no `ip`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvpush
+from kvpush.plan.model_config import read_model
+from kvpush.proxy.rewrite import Backend, format_backend
+from kvpush.testbed import hosts as netns
+from kvpush.testbed import scrape
+from kvpush.testbed.topology import http_ok, log_tail
+from kvpush.testbed.topology_proxy import warm_up
+from tests.e2e.conftest import (
+    BASE_PORT,
+    PROMPTS,
+    Reference,
+    chat,
+    completion,
+    kv_idle_after,
+    kvpush_proxy,
+    server_metrics,
+)
+from tests.e2e.conftest import post as post_json
+from tests.e2e.wire import Capture
+
+pytestmark = pytest.mark.e2e
+
+PROXY_PORT = BASE_PORT + 80  # in the root namespace; the servers' ports are their hosts' own
+PREFILL_PORT, DECODE_PORT, CONTROL_PORT = 8100, 8200, 5600  # README's
+SECRET = "kvpush-e2e-multi-host-secret"
+TRANSFER_TIMEOUT_S, FENCE_S, LEASE_S = 4.0, 2.0, 6.0
+HOLD_S = 3.0  # delay_write: the initiator sees its transfer in flight this much longer
+REQUEST_TIMEOUT_S = 30.0
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+LOOPBACK = (b"127.0.0.1", b"localhost", b"0.0.0.0")
+SUMMARY: list[str] = []
+
+
+@dataclass
+class Server:
+    name: str
+    host: netns.Host
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host.address}:{self.port}"
+
+    def metrics(self) -> dict[scrape.Sample, float]:
+        return server_metrics(self.url)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@dataclass
+class Pair:
+    mode: str
+    hosts: netns.Hosts
+    prefill: Server
+    decode: Server
+    proxy: str
+    model: Path
+    capture: Capture
+    reference: Reference  # one plain vLLM server's answers
+
+    def ask(self, body: dict[str, Any], path: str = "/v1/completions", rid: str = "") -> Any:
+        headers = {"Content-Type": "application/json"}
+        if rid:
+            headers["X-Request-Id"] = rid
+        request = urllib.request.Request(
+            self.proxy + path, data=json.dumps(body).encode(), headers=headers
+        )
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S + 30) as resp:
+            return json.loads(resp.read())
+
+
+# -- the deployment -----------------------------------------------------------------------
+
+
+def transfer_config(mode: str, role: str, host: netns.Host) -> dict[str, Any]:
+    """README's --kv-transfer-config, with this test's short timeouts."""
+    extra: dict[str, Any] = {"mode": mode, "host": host.address, "port": CONTROL_PORT}
+    extra |= {"transfer_timeout_s": TRANSFER_TIMEOUT_S, "fence_s": FENCE_S, "lease_s": LEASE_S}
+    config: dict[str, Any] = {
+        "kv_connector": "KvpushConnector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "engine_id": f"{role}-0",
+        "kv_connector_extra_config": extra,
+    }
+    if mode == "pull":  # the other two ways to configure what push does by default
+        config["kv_connector_module_path"] = "kvpush.vllm"
+        extra["bind_host"] = "0.0.0.0"
+    return config
+
+
+def server_env(core: int, workdir: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        # this checkout's kvpush, whichever the environment installed
+        "PYTHONPATH": str(Path(kvpush.__file__).resolve().parents[1]),
+        "KVPUSH_SECRET": SECRET,
+        "KVPUSH_FAULTS": f"delay_write={HOLD_S}",
+        **netns.UCX_ENV,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def start_server(server: Server, model: Path, mode: str, core: int, workdir: Path) -> None:
+    role = server.name
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    argv += ["--host", server.host.address, "--port", str(server.port)]
+    argv += ["--enforce-eager", "--max-num-seqs", "8", "--disable-uvicorn-access-log"]
+    argv += ["--kv-transfer-config", json.dumps(transfer_config(mode, role, server.host))]
+    with open(server.log, "wb") as log:
+        log.write(f"$ {' '.join(server.host.command(argv))}\n".encode())
+        log.flush()
+        server.proc = subprocess.Popen(
+            server.host.command(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=server_env(core, workdir),
+            start_new_session=True,
+        )
+
+
+def stop_server(server: Server) -> None:
+    proc = server.proc
+    if proc is None:
+        return
+    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait)
+            break
+    server.proc = None
+
+
+def wait_healthy(servers: list[Server], timeout: float = 400.0) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    while pending:
+        for server in list(pending):
+            assert server.proc is not None and server.proc.poll() is None, (
+                f"{server.name} exited:\n{log_tail(server.log)}"
+            )
+            if http_ok(server.url + "/health"):
+                pending.remove(server)
+        assert time.monotonic() < deadline, "not healthy: " + "; ".join(
+            f"{s.name}\n{log_tail(s.log)}" for s in pending
+        )
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def network() -> Iterator[netns.Hosts]:
+    problem = netns.unavailable()
+    if problem:
+        pytest.skip(f"hosts as network namespaces cannot be created here: {problem}")
+    with netns.Hosts(2) as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="module", params=["push", "pull"])
+def pair(
+    request: pytest.FixtureRequest,
+    network: netns.Hosts,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Pair]:
+    mode = str(request.param)
+    # the single server's answers, now that `network` skipped where there are no hosts
+    # (a session fixture named in the signature would start it first), and before the
+    # pair starts: it is gone by then
+    reference: Reference = request.getfixturevalue("reference")
+    work = tmp_path_factory.mktemp(f"multi-host-{mode}")
+    a, b = network
+    cores = sorted(os.sched_getaffinity(0))
+    prefill = Server("prefill", a, PREFILL_PORT, work / "prefill.log")
+    decode = Server("decode", b, DECODE_PORT, work / "decode.log")
+    capture = Capture([a.outer, b.outer])
+    try:
+        capture.start()
+        start_server(prefill, tiny_model, mode, cores[0], work)
+        start_server(decode, tiny_model, mode, cores[-1], work)
+        wait_healthy([prefill, decode])
+        backend = prefill.url
+        if mode == "push":  # README's proxy line: push names prefill's control address
+            backend = format_backend(
+                Backend(prefill.url, "prefill-0", a.address, CONTROL_PORT, 1)
+            )
+        with kvpush_proxy(
+            mode, backend, decode.url, PROXY_PORT, work / "proxy.log", REQUEST_TIMEOUT_S
+        ) as proxy:
+            # the first request of a pair connects NIXL and warms vLLM's kernels: not measured
+            problem = asyncio.run(warm_up(proxy, str(tiny_model)))
+            assert problem is None, f"warm-up through the proxy failed: {problem}"
+            yield Pair(mode, network, prefill, decode, proxy, tiny_model, capture, reference)
+    finally:
+        network.restore(b)
+        capture.stop()
+        for server in (decode, prefill):
+            stop_server(server)
+        for line in SUMMARY:
+            print(line)
+        SUMMARY.clear()
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def report(line: str) -> None:
+    """A summary line: printed now, and again when the pair stops (run with -s)."""
+    SUMMARY.append(line)
+    print(line)
+
+
+def external_tokens(server: Server) -> float:
+    return scrape.total(server.metrics(), EXTERNAL, source="external_kv_transfer")
+
+
+def ask_counted(pair: Pair, body: dict[str, Any], path: str = "/v1/completions") -> Any:
+    """`body` through the proxy; asserts that decode counted every prompt token of the
+    answer as loaded by KV transfer, and returns the answer."""
+    before = external_tokens(pair.decode)
+    answer = pair.ask(body, path)
+    read = external_tokens(pair.decode) - before
+    assert read == answer["usage"]["prompt_tokens"] > 0, (body, read)
+    return answer
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    return read_model(model).shape.kv_bytes_per_token
+
+
+def fresh_prompt(label: str) -> str:
+    """A prompt no server of the pair has seen (no prefix-cache hit anywhere)."""
+    return f"{label}: " + " ".join(["river", "stone", "cloud", "garden", label] * 30)
+
+
+def wait_for_line(server: Server, needle: str, after: int, timeout: float) -> float:
+    """Seconds until `needle` appears in `server`'s log past offset `after`."""
+    started = time.monotonic()
+    while needle not in server.log_text()[after:]:
+        assert time.monotonic() - started < timeout, (
+            f"{server.name} did not log {needle!r} within {timeout:g} s:\n{log_tail(server.log)}"
+        )
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def idle_after(p: Pair, timeout: float) -> float:
+    return kv_idle_after({s.name: s.url for s in (p.prefill, p.decode)}, timeout)
+
+
+# -- the checks ---------------------------------------------------------------------------
+
+
+def test_answers_equal_a_single_server_and_every_prompt_token_crossed(
+    pair: Pair,
+) -> None:
+    moved = 0
+    for prompt in PROMPTS:
+        answer = ask_counted(pair, completion(pair.model, prompt))
+        assert answer["choices"][0]["text"] == pair.reference.completions[prompt], prompt
+        moved += answer["usage"]["prompt_tokens"]
+    answer = ask_counted(pair, chat(pair.model), "/v1/chat/completions")
+    assert answer["choices"][0]["message"]["content"] == pair.reference.chat
+    report(
+        f"HOSTS {pair.mode}: {len(PROMPTS) + 1} answers equal a single server's; "
+        f"{moved + answer['usage']['prompt_tokens']} prompt tokens all by KV transfer "
+        f"({pair.prefill.host.address} -> {pair.decode.host.address})"
+    )
+
+
+def test_the_kv_crossed_decodes_link_in_ucx_tcp_connections(pair: Pair) -> None:
+    a, b = pair.prefill.host, pair.decode.host
+    http_or_control = {PREFILL_PORT, DECODE_PORT, CONTROL_PORT}
+    before = {f: len(d) for f, d in pair.capture.flows().items()}
+    link_before = pair.hosts.link_bytes(b)
+    answer = ask_counted(pair, completion(pair.model, fresh_prompt(f"{pair.mode} over the link")))
+    tokens = answer["usage"]["prompt_tokens"]
+    kv = tokens * kv_bytes_per_token(pair.model)
+    time.sleep(0.5)  # the capture thread catches up
+    link = pair.hosts.link_bytes(b) - link_before
+    data = {
+        f: len(d) - before.get(f, 0)
+        for f, d in pair.capture.flows().items()
+        if {f[0], f[2]} == {a.address, b.address} and not {f[1], f[3]} & http_or_control
+    }
+    moved = sum(data.values())
+    # at least the KV moved A -> B outside HTTP and the control port, in TCP: UCX's
+    assert moved >= kv, f"{moved} bytes in UCX's connections for {kv} bytes of KV: {data}"
+    assert link >= kv
+    ports = sorted({f[1] if f[0] == a.address and f[1] not in http_or_control else f[3]
+                    for f in data if data[f]})  # fmt: skip
+    report(
+        f"HOSTS {pair.mode}: {kv} bytes of KV ({tokens} tokens) "
+        f"crossed decode's link in UCX TCP connections ({moved} payload bytes, prefill-side "
+        f"ports {ports}); {link} bytes on the link in all"
+    )
+
+
+def test_what_crosses_names_the_hosts_addresses_never_loopback(pair: Pair) -> None:
+    a, b = pair.prefill.host, pair.decode.host
+    flows = pair.capture.flows()
+    control = {f: d for f, d in flows.items() if CONTROL_PORT in (f[1], f[3])}
+    to_prefill = b"".join(d for f, d in control.items() if (f[2], f[3]) == (a.address, 5600))
+    from_prefill = b"".join(d for f, d in control.items() if (f[0], f[1]) == (a.address, 5600))
+    # decode's Hello and registrations (push) name decode's address; prefill's Hello its own
+    assert b.address.encode() in to_prefill, "decode's address never reached prefill"
+    assert a.address.encode() in from_prefill, "prefill's Hello never named its address"
+    for flow, data in control.items():
+        for bad in LOOPBACK:
+            assert bad not in data, f"{bad!r} crossed in control flow {flow}"
+    # every `remote_host` over HTTP (pull: prefill's coordinates and what the proxy passes
+    # on; push: what the proxy tells decode) is prefill's address
+    http = b"".join(d for f, d in flows.items() if {f[1], f[3]} & {PREFILL_PORT, DECODE_PORT})
+    named = set(re.findall(rb'"remote_host":\s*"([^"]*)"', http))
+    assert named == {a.address.encode()}, named
+    # the control ports listen where configured: push on the host's address, pull on all
+    listening = listeners(a)
+    expected = "0.0.0.0" if pair.mode == "pull" else a.address
+    assert (expected, CONTROL_PORT) in listening, listening
+    report(
+        f"HOSTS {pair.mode}: control frames name {a.address} and {b.address} only; "
+        f"remote_host {sorted(n.decode() for n in named)}; prefill's control port listens on "
+        f"{expected}:{CONTROL_PORT}; no {', '.join(x.decode() for x in LOOPBACK)} crossed"
+    )
+
+
+def listeners(host: netns.Host) -> set[tuple[str, int]]:
+    """(address, port) of the TCP sockets listening in `host`."""
+    text = subprocess.run(
+        host.command(["cat", "/proc/net/tcp"]), capture_output=True, text=True, check=True
+    ).stdout
+    found = set()
+    for line in text.splitlines()[1:]:
+        local, _, state = line.split()[1:4]
+        if state == "0A":  # LISTEN
+            addr, port = local.split(":")
+            octets = [str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)]
+            found.add((".".join(octets), int(port, 16)))
+    return found
+
+
+def test_decode_link_cut_mid_transfer_fails_within_the_bound_and_leaks_nothing(
+    pair: Pair,
+) -> None:
+    b = pair.decode.host
+    # the initiator holds the transfer in flight HOLD_S longer: prefill in push, decode in pull
+    initiator = pair.prefill if pair.mode == "push" else pair.decode
+    rid = f"mh-{pair.mode}-cut-fault-delay_write"
+    prompt, after = fresh_prompt(f"{pair.mode} cut"), fresh_prompt(f"{pair.mode} link back")
+    # what one server answers to the prompt of the request after the cut: prefill's
+    # own, computed alone (one core, as the reference). Salted, so that it leaves nothing
+    # in prefill's prefix cache: the request after the cut must compute the whole prompt
+    # as the reference did (a prefix hit computes the rest otherwise, and the tiny model's
+    # bf16 answer changes with that)
+    alone = {**completion(pair.model, after), "cache_salt": f"alone-{pair.mode}"}
+    expected = post_json(pair.prefill.url + "/v1/completions", alone)
+    mark = {s.name: len(s.log_text()) for s in (pair.prefill, pair.decode)}
+    failed_at = 0.0
+
+    def send() -> tuple[int, str, float]:
+        started = time.monotonic()
+        try:
+            answer = pair.ask(completion(pair.model, prompt), rid=rid)
+            return 200, json.dumps(answer), time.monotonic() - started
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace"), time.monotonic() - started
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        started = time.monotonic()
+        pending = pool.submit(send)
+        try:
+            wait_for_line(initiator, "injecting delay_write", mark[initiator.name], 20)
+            pair.hosts.cut(b)
+            cut_at = time.monotonic() - started
+            # decode gives up at its deadline (push: and waits up to fence_s for prefill)
+            bound = TRANSFER_TIMEOUT_S + (FENCE_S if pair.mode == "push" else 0.0)
+            wait_for_line(pair.decode, "KV did not arrive", mark["decode"], bound + 5)
+            failed_at = time.monotonic() - started
+        finally:
+            pair.hosts.restore(b)
+        status, body, took = pending.result(timeout=REQUEST_TIMEOUT_S + 30)
+    assert failed_at < TRANSFER_TIMEOUT_S + 2.0, f"decode failed the request at {failed_at:.1f} s"
+    assert status == 502 and "decode backend" in body, (status, body[:400])
+    assert took < REQUEST_TIMEOUT_S, took
+    # nothing leaks: prefill's KV freed by decode's message or at its lease end at worst
+    idle = idle_after(pair, timeout=LEASE_S + 15)
+    # the link is back: the next request is answered, and correctly
+    deadline = time.monotonic() + 30
+    while not http_ok(pair.proxy + "/health"):
+        assert time.monotonic() < deadline, "the proxy did not take decode back"
+        time.sleep(0.2)
+    nxt_started = time.monotonic()
+    nxt = ask_counted(pair, completion(pair.model, after))
+    assert nxt["choices"][0]["text"] == expected["choices"][0]["text"]
+    kinds = failure_kinds(pair.decode)
+    report(
+        f"HOSTS {pair.mode} link cut: decode's link down {cut_at:.1f} s into the request "
+        f"(transfer in flight), decode failed it at {failed_at:.1f} s ({kinds}); client got "
+        f"HTTP {status} after {took:.1f} s once the link was back ({body[:120]!r}); KV usage "
+        f"0 on both {idle:.1f} s later; next request ok in {time.monotonic() - nxt_started:.2f} s"
+    )
+
+
+def failure_kinds(server: Server) -> str:
+    samples = server.metrics()
+    kinds = {
+        dict(labels).get("kind", "?"): value
+        for (name, labels), value in samples.items()
+        if name == "kvpush:failures_total" and value
+    }
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(kinds.items())) or "none counted"
+
+
+def test_the_hosts_are_isolated(pair: Pair) -> None:
+    """Nothing outside the bridge is reachable from a host (no default route)."""
+    if pair.mode != "push":
+        pytest.skip("once is enough")
+    routes = subprocess.run(
+        pair.prefill.host.command(["ip", "-4", "route", "show"]),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "default" not in routes and len(routes.strip().splitlines()) == 1, routes
