@@ -76,7 +76,12 @@ class HookLedger:
     def dump(self) -> None:
         assert self.path is not None
         with self.lock:
-            payload = {"role": self.role, "seconds": self.seconds, "calls": self.calls}
+            payload = {
+                "role": self.role,
+                "seconds": self.seconds,
+                "calls": self.calls,
+                "at": time.monotonic(),  # for rates: one clock for every process
+            }
             text = json.dumps(payload)
             self.changed = False
         tmp = self.path.with_suffix(".tmp")

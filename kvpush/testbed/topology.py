@@ -2,7 +2,8 @@
 
 Used by `kvpush up`, the benchmark and the end-to-end tests, so all three run the exact
 same set-up. Every server runs in its own process session, so stopping it kills the whole
-tree vLLM spawned (API server, engine core, workers) and frees its ports.
+tree vLLM spawned (API server, engine core, workers) and frees its ports; and, unless
+`pin` is off, on its own cores, which that whole tree inherits (`kvpush.testbed.pinning`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.proxy.rewrite import Backend
+from kvpush.testbed.pinning import CorePlan, pin_preexec, plan_cores
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,14 +112,21 @@ SETUPS: dict[str, ConnectorSetup] = {
 # The setups a demo or sweep runs unless told otherwise: each connector as shipped.
 MAIN_SETUPS = ("vllm-pull", "vllm-push", "kvpush-push", "kvpush-pull")
 
+# Not disaggregating at all: one plain vLLM server (no KV connector) on the cores the pair
+# would have, the load sent straight to it (a benchmark setup, beside SETUPS).
+SINGLE = "single"
+BENCH_SETUPS = (*SETUPS, SINGLE)
+# What a sweep, a demo and `kvpush bench compare` run unless told otherwise.
+SWEEP_SETUPS = (*MAIN_SETUPS, SINGLE)
+
 
 def check_setups(names: Sequence[str]) -> None:
     """Raise ValueError, worded for --setups, unless `names` are one or more known setups."""
-    unknown = [n for n in names if n not in SETUPS]
+    unknown = [n for n in names if n not in BENCH_SETUPS]
     if unknown or not names:
         raise ValueError(
             f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
-            f"choose from {', '.join(SETUPS)}"
+            f"choose from {', '.join(BENCH_SETUPS)}"
         )
 
 
@@ -177,6 +186,7 @@ class ServerSpec:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    pinned: bool = False  # the whole process tree confined to `cores`, not only the worker
 
     @property
     def url(self) -> str:
@@ -213,6 +223,9 @@ class TopologyConfig:
     # Another setup for every server of a role, e.g. {"prefill": "kvpush-pull"} next to
     # setup "kvpush-push": a deliberately mismatched pair, to test how it is refused.
     role_setups: dict[str, str] = field(default_factory=dict)
+    # Confine every process of each server to its cores (False: only the model worker's
+    # threads, through VLLM_CPU_OMP_THREADS_BIND)
+    pin: bool = True
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").exists():
@@ -252,21 +265,24 @@ class PairSettings:
     prefix_caching: bool = True  # vLLM's default; False: --no-enable-prefix-caching
     startup_timeout: float = 300.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    pin: bool = True  # each server's processes on its own cores (False: --no-pin)
 
     def topology(self, setup: str, label: str, timed_hooks: bool = False) -> TopologyConfig:
-        """`setup`'s pair, logs under WORKDIR/LABEL/SETUP; all share one compile cache
-        (WORKDIR/vllm-cache), since the model is the same."""
+        """`setup`'s pair (for SINGLE, one plain server on the pair's cores), logs under
+        WORKDIR/LABEL/SETUP; all share one compile cache (WORKDIR/vllm-cache), since the
+        model is the same."""
         return TopologyConfig(
             model=self.model,
-            setup=setup,
+            setup=None if setup == SINGLE else setup,
             port=self.port,
             kv_port=self.kv_port,
             eager=True,
             max_num_seqs=self.max_num_seqs,
             kv_cache_gib=self.kv_cache_gib,
             workdir=self.workdir / label / setup,
-            timed_hooks=timed_hooks,
+            timed_hooks=timed_hooks and setup != SINGLE,
             prefix_caching=self.prefix_caching,
+            pin=self.pin,
             extra_env={
                 "VLLM_CACHE_ROOT": str((self.workdir / "vllm-cache").resolve()),
                 **self.extra_env,
@@ -274,17 +290,24 @@ class PairSettings:
         )
 
 
+def core_plan(config: TopologyConfig, cores: Sequence[int] | None = None) -> CorePlan:
+    """Cores per server of `config` and for the proxy and load generator (`cores`: those
+    to share out, default this process's)."""
+    available = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if config.setup is None:  # one server, on what a 1P1D pair gets
+        return plan_cores(1, 1, available, config.pin, single=True)
+    return plan_cores(config.n_prefill, config.n_decode, available, config.pin)
+
+
 def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> list[ServerSpec]:
     """The servers a topology runs, with ports, engine ids, cores, argv and env."""
-    available = sorted(cores if cores is not None else os.sched_getaffinity(0))
     logs = config.workdir / "logs"
     if config.setup is None:
         roles = [("single", 0)]
     else:
         roles = [("prefill", i) for i in range(config.n_prefill)]
         roles += [("decode", i) for i in range(config.n_decode)]
-    n_pre = sum(1 for r, _ in roles if r == "prefill")
-    shares = assign_cores(n_pre, len(roles) - n_pre, available) if config.setup else [available]
+    shares = core_plan(config, cores).servers
     specs = []
     for index, ((role, i), share) in enumerate(zip(roles, shares, strict=True)):
         offset = {"prefill": 100, "decode": 200, "single": 300}[role]
@@ -332,7 +355,16 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
         }
         specs.append(
             ServerSpec(
-                name, role, port, kv_port, name, list(share), argv, env, logs / f"{name}.log"
+                name,
+                role,
+                port,
+                kv_port,
+                name,
+                list(share),
+                argv,
+                env,
+                logs / f"{name}.log",
+                config.pin,
             )
         )
     return specs
@@ -394,8 +426,34 @@ class Topology:
 
     def __init__(self, config: TopologyConfig, cores: Sequence[int] | None = None) -> None:
         self.config = config
+        self.cores = core_plan(config, cores)
         self.specs = build_specs(config, cores)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def client_cores(self) -> list[int] | None:
+        """Where the proxy and the load generator run: the cores no server has, or None
+        (float over all cores) when there are none left or pinning is off."""
+        return list(self.cores.rest) if self.cores.rest_is_own else None
+
+    def pinning(self) -> dict[str, Any]:
+        """The cores of each server and of the proxy and load generator, for a record."""
+        client = self.client_cores
+        return {
+            "pinned": self.config.pin,
+            "servers": {
+                s.name: {
+                    "cores": format_cores(s.cores),
+                    "confined": "every process" if s.pinned else "model worker threads only",
+                }
+                for s in self.specs
+            },
+            "proxy_and_client": format_cores(client)
+            if client
+            else "float over every core (no core left for them)"
+            if self.config.pin
+            else "float over every core (--no-pin)",
+        }
 
     @property
     def prefill(self) -> list[ServerSpec]:
@@ -427,7 +485,8 @@ class Topology:
                 for stale in ledgers.glob("*.json"):
                     stale.unlink()
             with open(spec.log_path, "wb") as log:
-                log.write(f"$ {shlex.join(spec.argv)}\n".encode())
+                pinned = f"(on cores {format_cores(spec.cores)}) " if spec.pinned else ""
+                log.write(f"$ {pinned}{shlex.join(spec.argv)}\n".encode())
                 log.flush()
                 self.procs[spec.name] = subprocess.Popen(
                     spec.argv,
@@ -436,6 +495,7 @@ class Topology:
                     stdin=subprocess.DEVNULL,
                     env={**os.environ, **spec.env},
                     start_new_session=True,
+                    preexec_fn=pin_preexec(spec.cores) if spec.pinned else None,
                 )
 
     def wait_healthy(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.args import allow_dash_value, at_least, port_number, positive
+from kvpush.testbed.pinning import NO_PIN_HELP, check_confined, confined
 from kvpush.testbed.topology import (
     SETUPS,
     StartupError,
@@ -33,6 +34,11 @@ setups:
 
 ports: the proxy listens on --port; prefill i on PORT+100+i, decode j on PORT+200+j;
 NIXL side channels on KV_PORT, KV_PORT+1, ...; logs go to WORKDIR/logs/.
+
+cores: prefill servers share the first half of this process's cores, decode servers the
+second (each its own share where there are enough); every process of a server (API server,
+engine core, workers) runs on its share only. With more cores than servers, one is kept
+for the proxy. --no-pin binds only the model workers' threads, as before.
 
 examples:
   kvpush model tiny models/tiny && kvpush up --connector vllm-push --model models/tiny
@@ -98,6 +104,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument("--startup-timeout", type=positive(), default=600.0)
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help=NO_PIN_HELP)
     parser.add_argument(
         "--warmup",
         type=at_least(0),
@@ -127,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
                 for role in ("prefill", "decode")
             },
             workdir=args.workdir,
+            pin=args.pin,
         )
     except ValueError as exc:
         print(f"kvpush up: {exc}", file=sys.stderr)
@@ -145,7 +153,10 @@ def run(args: argparse.Namespace) -> int:
         topology.start()
         took = topology.wait_healthy(args.startup_timeout, StartupProgress("", every=5.0))
         print(f"\nall {len(topology.specs)} servers healthy after {took:.0f} s", flush=True)
-        return asyncio.run(_serve(topology, args))
+        if config.pin:
+            print(confinement(topology), flush=True)
+        with confined(topology.client_cores):
+            return asyncio.run(_serve(topology, args))
     except StartupError as exc:
         print(f"\nkvpush up: {exc}\nstopping everything that was started.", file=sys.stderr)
         return 1
@@ -167,6 +178,7 @@ def vllm_args(text: str, flag: str = "--vllm-args") -> list[str]:
 
 def _print_plan(topology: Topology) -> None:
     config = topology.config
+    pinning = topology.pinning()
     print(f"kvpush up: {config.setup}, model {config.model}", flush=True)
     for spec in topology.specs:
         print(
@@ -175,6 +187,28 @@ def _print_plan(topology: Topology) -> None:
             f"log {spec.log_path}",
             flush=True,
         )
+    where = ", ".join(f"{n} on {s['cores']}" for n, s in pinning["servers"].items())
+    how = "every process of each server" if config.pin else "model worker threads only (--no-pin)"
+    print(f"  cores: {where} ({how}); proxy: {pinning['proxy_and_client']}", flush=True)
+
+
+def confinement(topology: Topology) -> str:
+    """One line per server: how many of its processes and threads run only on its cores,
+    read back from /proc; or which do not."""
+    lines = []
+    for spec in topology.specs:
+        proc = topology.procs.get(spec.name)
+        if proc is None:
+            continue
+        threads, problems = check_confined(proc.pid, spec.cores)
+        processes = len({t.pid for t in threads})
+        lines.append(
+            f"  {spec.name}: {processes} processes, {len(threads)} threads, all on cores "
+            f"{spec.env['VLLM_CPU_OMP_THREADS_BIND']}"
+            if not problems
+            else f"  {spec.name}: NOT confined: " + "; ".join(problems[:3])
+        )
+    return "pinning read back from /proc:\n" + "\n".join(lines)
 
 
 async def _serve(topology: Topology, args: argparse.Namespace) -> int:
