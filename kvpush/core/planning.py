@@ -276,6 +276,15 @@ def destinations(src_rank: int, src_tp: int, tp_size: int, total_heads: int) -> 
     return [r for r in range(tp_size) if src_rank in sources(r, tp_size, src_tp, total_heads)]
 
 
+def unread(src_tp: int, tp_size: int, total_heads: int) -> list[int]:
+    """Producer ranks (of `src_tp`) that send no consumer rank (of `tp_size`) anything: their
+    heads are replicas another producer sends. Nobody reads their KV, so it can go at once."""
+    used: set[int] = set()
+    for rank in range(tp_size):
+        used.update(sources(rank, tp_size, src_tp, total_heads))
+    return [r for r in range(src_tp) if r not in used]
+
+
 def check_mappable(
     a: KVLayout, b: KVLayout, a_tp: int, b_tp: int, a_name: str = "source", b_name: str = "dest"
 ) -> str | None:

@@ -102,7 +102,9 @@ def _int(lo: int = 0, hi: int = U64_MAX) -> Check:
     return check
 
 
-def _str(max_len: int, choices: tuple[str, ...] = (), empty: bool = False) -> Check:
+def _str(
+    max_len: int, choices: tuple[str, ...] = (), empty: bool = False, ids: bool = False
+) -> Check:
     def check(value: object) -> str:
         if not isinstance(value, str):
             raise _Invalid(f"expected a string, got {type(value).__name__}")
@@ -110,6 +112,8 @@ def _str(max_len: int, choices: tuple[str, ...] = (), empty: bool = False) -> Ch
             raise _Invalid(f"string of {len(value)} characters exceeds {max_len}")
         if not value and not empty:
             raise _Invalid("must not be empty")
+        if ids and any(c < " " for c in value):
+            raise _Invalid("ids hold no control characters")
         if choices and value not in choices:
             raise _Invalid(f"{value!r} is not one of {choices}")
         return value
@@ -183,7 +187,7 @@ def _wire(check: Check) -> dict[str, Check]:
     return {"check": check}
 
 
-_ID = _wire(_str(MAX_ID_LEN))
+_ID = _wire(_str(MAX_ID_LEN, ids=True))
 _TEXT = _wire(_str(MAX_TEXT_LEN, empty=True))
 _GENERATION = _wire(_int(0, I63_MAX))
 _TP_RANK = _wire(_int(0, MAX_TP - 1))

@@ -274,9 +274,11 @@ class Rendezvous:
 
     @property
     def held_blocks(self) -> int:
-        """Local blocks held for transfers (waiting or being written)."""
-        waiting = sum(len(f.local.block_ids) for f in self._finished)
-        return waiting + sum(len(w.local.block_ids) for w in self._writing.values())
+        """Local blocks held for transfers (waiting or being written); the legs of a
+        fan-out share theirs, counted once."""
+        held = {(f.local.request_id, f.local.block_ids) for f in self._finished}
+        held.update((w.local.request_id, w.local.block_ids) for w in self._writing.values())
+        return sum(len(block_ids) for _, block_ids in held)
 
     @property
     def tombstones(self) -> int:
@@ -286,7 +288,9 @@ class Rendezvous:
         """When `expire` next has something to do, for the caller's sleep."""
         return self._deadlines.next()
 
-    def register(self, reg: Registration, now: float) -> list[Action]:
+    def register(self, reg: Registration, now: float, exact: bool = False) -> list[Action]:
+        """A decode registration arrived; `exact`: pair it only by its transfer id (a
+        fan-out leg, whose request id other legs share)."""
         self.stats.registrations += 1
         writing = self._writing.get(reg.transfer_id)
         if writing is not None:
@@ -300,8 +304,8 @@ class Rendezvous:
             return [superseded, *self._register_new(reg, now)]
         gone = self._gone.exact(reg.transfer_id)
         if gone is not None:
-            return self._register_after(gone, reg, now)
-        return self._register_new(reg, now)
+            return self._register_after(gone, reg, now, exact)
+        return self._register_new(reg, now, exact)
 
     def prefill_done(
         self,
@@ -310,14 +314,16 @@ class Rendezvous:
         block_ids: tuple[int, ...],
         num_tokens: int,
         now: float,
+        exact: bool = False,
     ) -> list[Action]:
-        """The prefill finished and its KV sits in `block_ids` until released."""
+        """The prefill finished and its KV sits in `block_ids` until released; `exact`:
+        pair it only by its transfer id (a fan-out leg)."""
         if transfer_id in self._writing_local or self._finished.exact(transfer_id):
             raise ValueError(f"prefill of transfer {transfer_id} was reported done twice")
         local = LocalBlocks(transfer_id, request_id, block_ids, num_tokens)
         waiting = self._waiting.exact(transfer_id)
         gone = None if waiting else self._gone.exact(transfer_id)
-        if waiting is None and gone is None:
+        if waiting is None and gone is None and not exact:
             waiting = self._match(self._waiting, request_id)
         if waiting is not None:
             self._waiting.remove(waiting)
@@ -329,6 +335,19 @@ class Rendezvous:
         self._finished.add(finished, [transfer_id], [request_id])
         self._deadlines.add(finished)
         return []
+
+    def take_finished(self, transfer_id: str) -> LocalBlocks | None:
+        """Hand back a finished prefill that waits for its registration, unreleased (the
+        caller fans it out), or None when none waits under exactly this id."""
+        finished = self._finished.exact(transfer_id)
+        if finished is None:
+            return None
+        self._finished.remove(finished)
+        return finished.local
+
+    def is_gone(self, transfer_id: str) -> bool:
+        """Whether a tombstone remembers exactly this transfer id."""
+        return self._gone.exact(transfer_id) is not None
 
     def cancel(
         self,
@@ -455,10 +474,10 @@ class Rendezvous:
                 self._gone.remove(record)
         return actions
 
-    def _register_new(self, reg: Registration, now: float) -> list[Action]:
-        finished = self._finished.exact(reg.transfer_id) or self._match(
-            self._finished, reg.request_id
-        )
+    def _register_new(self, reg: Registration, now: float, exact: bool = False) -> list[Action]:
+        finished = self._finished.exact(reg.transfer_id)
+        if finished is None and not exact:
+            finished = self._match(self._finished, reg.request_id)
         if finished is not None:
             self._finished.remove(finished)
             return self._start(finished.local, reg, now + self._wait_s(reg))
@@ -474,7 +493,9 @@ class Rendezvous:
         self._deadlines.add(waiting)
         return []
 
-    def _register_after(self, gone: _Gone, reg: Registration, now: float) -> list[Action]:
+    def _register_after(
+        self, gone: _Gone, reg: Registration, now: float, exact: bool = False
+    ) -> list[Action]:
         if reg.generation <= gone.generation:
             return self._stale()
         if gone.kv_released:
@@ -486,7 +507,7 @@ class Rendezvous:
             )
             return self._refuse(reg, why)
         self._gone.remove(gone)
-        return self._register_new(reg, now)
+        return self._register_new(reg, now, exact)
 
     def _queue_behind(self, writing: _Writing, reg: Registration, now: float) -> list[Action]:
         if reg.generation <= writing.newest:

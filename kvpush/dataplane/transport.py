@@ -32,7 +32,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -108,14 +108,22 @@ def _nixl_api() -> Any:
 class Transfer:
     """One posted WRITE or READ. Poll it until done, then release it."""
 
-    __slots__ = ("_agent", "_handle", "_done", "_failure", "what")
+    __slots__ = ("_agent", "_handle", "_done", "_failure", "what", "_on_release")
 
-    def __init__(self, agent: Any, handle: Any, what: str) -> None:
+    def __init__(
+        self,
+        agent: Any,
+        handle: Any,
+        what: str,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
         self._agent = agent
         self._handle = handle
         self._done = handle is None
         self._failure: TransferError | None = None
         self.what = what
+        # Called once NIXL freed the request: the peer's agent may then be unloaded.
+        self._on_release = on_release
 
     @classmethod
     def completed(cls, what: str) -> Transfer:
@@ -159,8 +167,12 @@ class Transfer:
         try:
             handle.release()
         except Exception as exc:
+            # NIXL keeps the request: its peer's agent stays loaded until the transport closes.
             log.warning("releasing %s failed: %s", self.what, _error(exc, "release"))
             return False
+        on_release, self._on_release = self._on_release, None
+        if on_release is not None:
+            on_release()
         return True
 
     def __enter__(self) -> Transfer:
@@ -216,6 +228,11 @@ class NixlTransport:
         self.error_handling = self._create_backend(backend)
         self._lock = threading.RLock()
         self._peers: dict[str, _Prepared | None] = {}
+        # Loaded peers' metadata, posted transfers not yet released per peer, and peers
+        # removed while transfers were in flight: unloaded when the last one is released.
+        self._metadata: dict[str, bytes] = {}
+        self._in_flight: dict[str, int] = {}
+        self._retiring: dict[str, _Prepared | None] = {}
         self._registered: list[Any] = []
         self._mem = "DRAM"
         self._device = 0
@@ -288,10 +305,22 @@ class NixlTransport:
 
         Pass `name` (the peer's agent name, e.g. from its Hello) to replace an agent of
         that name already loaded: a peer restarted under the same name sends new metadata,
-        and NIXL refuses to load it over the old one.
+        and NIXL refuses to load it over the old one. While transfers to that agent are in
+        flight it is not unloaded: the same metadata keeps it (a handshake repeated with the
+        same process), other metadata is refused until they are released.
         """
         agent = self._live()
         with self._lock:
+            if name is not None and (name in self._retiring or self._in_flight.get(name)):
+                if self._metadata.get(name) != metadata:
+                    raise TransferError(
+                        "not_allowed",
+                        f"peer agent {name!r} comes with new metadata while transfers to its "
+                        "previous agent are in flight; it can be loaded once they end",
+                    )
+                if name in self._retiring:
+                    self._peers[name] = self._retiring.pop(name)
+                return name
             if name is not None and name in self._peers:
                 log.info("NIXL agent %s: replacing peer %s", self.name, name)
                 self._forget(name)
@@ -313,17 +342,38 @@ class NixlTransport:
                     "invalid", f"peer metadata names agent {peer!r}, expected {name!r}"
                 )
             self._peers[peer] = None
+            self._metadata[peer] = metadata
         return peer
 
     def remove_peer(self, name: str) -> None:
-        """Forget a peer: its prepared blocks and its connection. Unknown names are ignored."""
+        """Forget a peer: its prepared blocks and its connection. Unknown names are ignored.
+
+        Transfers to it still in flight keep it loaded (unloading frees what they use);
+        it is unloaded when the last of them is released. New transfers to it are refused
+        at once either way.
+        """
         with self._lock:
-            if name in self._peers:
-                self._forget(name)
+            if name not in self._peers:
+                return
+            if self._in_flight.get(name):
+                log.info(
+                    "NIXL agent %s: peer %s is unloaded once its %d transfers in flight end",
+                    self.name,
+                    name,
+                    self._in_flight[name],
+                )
+                self._retiring[name] = self._peers.pop(name)
+                return
+            self._forget(name)
 
     def peers(self) -> list[str]:
         with self._lock:
             return list(self._peers)
+
+    def loaded_peers(self) -> list[str]:
+        """Every peer agent loaded in NIXL: `peers()` and those removed but still in use."""
+        with self._lock:
+            return [*self._peers, *self._retiring]
 
     def connect(self, peer: str) -> None:
         """Optionally set up the connection now, so the first transfer does not pay for it."""
@@ -335,9 +385,24 @@ class NixlTransport:
 
     def _forget(self, name: str) -> None:
         prepared = self._peers.pop(name, None)
+        if name in self._retiring:
+            prepared = self._retiring.pop(name)
         if prepared is not None:
             prepared.release()
+        self._metadata.pop(name, None)
         self._unload(name)
+
+    def _released(self, peer: str) -> None:
+        """A transfer to `peer` was released: unload the peer if it was removed meanwhile."""
+        with self._lock:
+            left = self._in_flight.get(peer, 0) - 1
+            if left > 0:
+                self._in_flight[peer] = left
+                return
+            self._in_flight.pop(peer, None)
+            if peer in self._retiring and not self._closed:
+                log.info("NIXL agent %s: unloading peer %s, its transfers ended", self.name, peer)
+                self._forget(peer)
 
     def _unload(self, name: str) -> None:
         try:
@@ -413,27 +478,32 @@ class NixlTransport:
         with self._lock:
             self._require_peer(peer)
             prepared = self._peers[peer]
-        if prepared is None:
-            raise TransferError(
-                "not_found", f"no blocks prepared for peer {peer!r}: call prepare_peer_blocks"
-            )
-        for side, idx, size in (
-            ("local", local_idx, prepared.num_local),
-            ("remote", remote_idx, prepared.num_remote),
-        ):
-            if idx and (min(idx) < 0 or max(idx) >= size):
-                raise ValueError(f"{op}: {side} block index outside the {size} prepared blocks")
+            if prepared is None:
+                raise TransferError(
+                    "not_found", f"no blocks prepared for peer {peer!r}: call prepare_peer_blocks"
+                )
+            for side, idx, size in (
+                ("local", local_idx, prepared.num_local),
+                ("remote", remote_idx, prepared.num_remote),
+            ):
+                if idx and (min(idx) < 0 or max(idx) >= size):
+                    raise ValueError(
+                        f"{op}: {side} block index outside the {size} prepared blocks"
+                    )
+            if local_idx:  # in flight from here: the peer stays loaded
+                self._in_flight[peer] = self._in_flight.get(peer, 0) + 1
         what = f"{op} of {len(local_idx)} blocks {'to' if op == 'WRITE' else 'from'} {peer}"
         if not local_idx:
             return self._notify_only(peer, notif, what)
-        agent = self._live()
         try:
+            agent = self._live()
             handle = agent.make_prepped_xfer(
                 op, prepared.local, local_idx, prepared.remote, remote_idx, notif
             )
         except Exception as exc:
+            self._released(peer)
             raise _error(exc, what) from exc
-        return self._post(agent, handle, what)
+        return self._post(agent, handle, what, peer)
 
     # Unprepared transfers: any pieces, descriptors built per call
 
@@ -476,12 +546,15 @@ class NixlTransport:
         for i, ((_, a), (_, b)) in enumerate(zip(local, remote, strict=True)):
             if a != b:
                 raise ValueError(f"{op} piece {i}: local length {a} != remote length {b}")
-        self._require_peer(peer)
         what = f"{op} of {len(local)} pieces {'to' if op == 'WRITE' else 'from'} {peer}"
+        with self._lock:
+            self._require_peer(peer)
+            if local:  # in flight from here: the peer stays loaded
+                self._in_flight[peer] = self._in_flight.get(peer, 0) + 1
         if not local:
             return self._notify_only(peer, notif, what)
-        agent = self._live()
         try:
+            agent = self._live()
             handle = agent.initialize_xfer(
                 op,
                 agent.get_xfer_descs(self._descs(local), self._mem),
@@ -490,11 +563,13 @@ class NixlTransport:
                 notif,
             )
         except Exception as exc:
+            self._released(peer)
             raise _error(exc, what) from exc
-        return self._post(agent, handle, what)
+        return self._post(agent, handle, what, peer)
 
-    def _post(self, agent: Any, handle: Any, what: str) -> Transfer:
-        transfer = Transfer(agent, handle, what)
+    def _post(self, agent: Any, handle: Any, what: str, peer: str) -> Transfer:
+        """Post a created request; counted in flight for `peer` until released."""
+        transfer = Transfer(agent, handle, what, lambda: self._released(peer))
         try:
             state = agent.transfer(handle)
         except Exception as exc:
@@ -581,7 +656,7 @@ class NixlTransport:
         with self._lock:
             if self._closed:
                 return
-            for name in list(self._peers):
+            for name in [*self._peers, *self._retiring]:
                 self._forget(name)
             for regs in self._registered:
                 try:

@@ -9,6 +9,11 @@ Every key is optional. The side channel (our control port) defaults to the same 
 vLLM's NIXL connectors use, so operators need to learn nothing new:
 VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT (+ the worker's TP rank).
 KVPUSH_FAULTS enables test hooks (`kvpush.node.faults`); never set it in production.
+
+Fail closed: `from_extra` refuses a configuration without a shared secret (KVPUSH_SECRET,
+or the variable `secret_env` names) unless `insecure: true` says so explicitly. The
+`control_*` keys bound the control channel (`kvpush.dataplane.control.Limits`), the
+`tls_*` keys put it inside mutual TLS.
 """
 
 from __future__ import annotations
@@ -18,11 +23,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.core.protocol import MODES
+from kvpush.dataplane.control import Limits
 from kvpush.node.faults import ENV as FAULTS_ENV
 from kvpush.node.faults import Faults
 
 # vLLM's kv_role -> the side kvpush plays.
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+# kv_connector_extra_config key -> (Limits field, type) of the control channel's bounds.
+CONTROL_LIMITS: dict[str, tuple[str, type]] = {
+    "control_greeting_timeout_s": ("greeting_timeout_s", float),
+    "control_idle_timeout_s": ("idle_timeout_s", float),
+    "control_max_connections": ("max_connections", int),
+    "control_max_connections_per_host": ("max_connections_per_host", int),
+    "control_max_unauthenticated": ("max_unauthenticated", int),
+    "control_max_unauthenticated_per_host": ("max_unauthenticated_per_host", int),
+    "control_unauthenticated_frame_bytes": ("unauthenticated_frame", int),
+}
+TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +58,19 @@ class KvpushConfig:
     # that no WRITE can land (or is gone); a rank that stays silent (frozen, partitioned)
     # is waited for until fence_s past the transfer's deadline.
     fence_s: float = 5.0
-    # Shared secret that authenticates control messages between instances (None: off).
+    # Shared secret that authenticates control messages between instances (None: off,
+    # which `from_extra` allows only with insecure=True).
     secret: bytes | None = None
+    insecure: bool = False
     backend: str = "UCX"
     faults: Faults = field(default_factory=Faults)
+    # Bounds on the control channel: greeting and idle deadlines, connection counts.
+    control: Limits = field(default_factory=Limits)
+    # Mutual TLS for the control channel: this node's certificate and key, and the CA
+    # that signed every peer's (all three or none).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -57,9 +83,33 @@ class KvpushConfig:
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"side-channel port {self.port} is out of range")
+        tls = [bool(getattr(self, key)) for key in TLS_KEYS]
+        if any(tls) and not all(tls):
+            raise ValueError(
+                "kv_connector_extra_config: set all of tls_cert, tls_key and tls_ca for TLS on "
+                "the control channel, or none"
+            )
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def client_idle_s(self) -> float:
+        """A control client replaces a connection unused this long, so that a peer with
+        the same idle timeout never closes it under a frame in flight."""
+        return self.control.idle_timeout_s / 2
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any], env: dict[str, str] | None = None) -> KvpushConfig:
+    def from_extra(
+        cls,
+        extra: dict[str, Any],
+        env: dict[str, str] | None = None,
+        require_secret: bool = True,
+    ) -> KvpushConfig:
+        """The settings from vLLM's `kv_connector_extra_config` and `env` (default: the
+        process environment). Without a secret and without `insecure: true` it raises,
+        unless `require_secret` is False (for reading the settings, not for running)."""
         env = dict(os.environ) if env is None else env
         known = {
             "mode",
@@ -69,7 +119,10 @@ class KvpushConfig:
             "lease_s",
             "fence_s",
             "secret_env",
+            "insecure",
             "backend",
+            *CONTROL_LIMITS,
+            *TLS_KEYS,
         }
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -78,7 +131,27 @@ class KvpushConfig:
             )
         secret_env = str(extra.get("secret_env", "KVPUSH_SECRET"))
         secret = env.get(secret_env) or None
-        return cls(
+        insecure = extra.get("insecure", False)
+        if not isinstance(insecure, bool):
+            raise ValueError(
+                f"kv_connector_extra_config.insecure must be true or false, got {insecure!r}"
+            )
+        limits: dict[str, Any] = {}
+        for key, (name, kind) in CONTROL_LIMITS.items():
+            if key not in extra:
+                continue
+            value = extra[key]
+            try:
+                limits[name] = kind(value)
+                ok = not isinstance(value, bool) and limits[name] > 0
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                what = "seconds" if kind is float else "integer"
+                raise ValueError(
+                    f"kv_connector_extra_config.{key} must be a positive {what}, got {value!r}"
+                )
+        config = cls(
             mode=str(extra.get("mode", "push")),
             host=str(extra.get("host", env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))),
             port=int(extra.get("port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))),
@@ -86,6 +159,17 @@ class KvpushConfig:
             lease_s=float(extra.get("lease_s", 30.0)),
             fence_s=float(extra.get("fence_s", 5.0)),
             secret=secret.encode() if secret else None,
+            insecure=insecure and secret is None,
             backend=str(extra.get("backend", "UCX")),
             faults=Faults.parse(env.get(FAULTS_ENV, "")),
+            control=Limits(**limits),
+            **{key: str(extra.get(key, "")) for key in TLS_KEYS},
         )
+        if secret is None and not insecure and require_secret:
+            raise ValueError(
+                f"kvpush refuses to start without a shared secret: set {secret_env} to the same "
+                "value on every prefill and decode (e.g. from `openssl rand -hex 32`; "
+                "kv_connector_extra_config.secret_env names another variable), or set "
+                '"insecure": true in kv_connector_extra_config for a private test network'
+            )
+        return config

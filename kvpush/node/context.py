@@ -8,11 +8,13 @@ send, where they report - and not on each other.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvpush.core.planning import KVLayout
 from kvpush.core.protocol import Hello
+from kvpush.dataplane.control import ControlClient
 from kvpush.node.config import KvpushConfig
 from kvpush.node.results import Results
 
@@ -24,6 +26,14 @@ class Identity:
     model: str
     tp_rank: int
     tp_size: int
+    # vLLM's data-parallel index of this engine: each DP engine's ranks get their own ports
+    dp_index: int = 0
+
+    @property
+    def port_offset(self) -> int:
+        """This rank's control port, counted from the configured base port: the ports of
+        one engine are consecutive (one per TP rank), and DP engines follow each other."""
+        return self.dp_index * self.tp_size + self.tp_rank
 
 
 class Transfer(Protocol):
@@ -40,6 +50,8 @@ class Transport(Protocol):
     """The data plane a node moves KV with (`kvpush.dataplane.transport.NixlTransport`)."""
 
     def add_peer(self, metadata: bytes, name: str | None = None) -> str: ...
+
+    def remove_peer(self, name: str) -> None: ...
 
     def prepare_peer_blocks(
         self,
@@ -85,11 +97,24 @@ class Context:
     transport: Transport
     hello: Hello
     results: Results
+    tls: ssl.SSLContext | None = None  # the control channel's client side, if TLS is on
+
+    def control_client(self, host: str, port: int, timeout: float = 5.0) -> ControlClient:
+        """A client for a peer's control port, with this node's secret and TLS settings."""
+        return ControlClient(
+            host,
+            port,
+            secret=self.config.secret,
+            timeout=timeout,
+            max_frame=self.config.control.max_frame,
+            tls=self.tls,
+            idle_s=self.config.client_idle_s,
+        )
 
     @property
     def port(self) -> int:
-        """This rank's control port: the configured port plus the TP rank."""
-        return self.config.port + self.identity.tp_rank
+        """This rank's control port: the configured port plus the rank's offset."""
+        return self.config.port + self.identity.port_offset
 
     @property
     def layout(self) -> KVLayout:

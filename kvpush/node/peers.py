@@ -16,7 +16,9 @@
 A restarted peer keeps its address but has a new NIXL agent; transfers to the old agent
 would fail or, worse, address a dead process. Its control connection tells: the one the
 handshake went over closed when the process exited, so a peer whose handshake connection
-is gone is forgotten before the next transfer and handshaken again.
+is gone is forgotten before the next transfer and handshaken again. A forgotten peer's
+NIXL agent is unloaded (`Transport.remove_peer`: at once, or when its last transfer in
+flight is released), so agents do not pile up across restarts.
 """
 
 from __future__ import annotations
@@ -117,11 +119,11 @@ class Peers(Generic[J]):
                 peer,
             )
             peer.client.close()
+            self._unload(peer)
             peer = None
         if peer is None:
             self._make_room()
-            client = ControlClient(host, port, secret=self.ctx.config.secret, timeout=5.0)
-            peer = self.peers[key] = RemoteRank(host, port, client)
+            peer = self.peers[key] = RemoteRank(host, port, self.ctx.control_client(host, port))
         return peer
 
     def _make_room(self) -> None:
@@ -129,7 +131,9 @@ class Peers(Generic[J]):
             key = next(iter(self.peers))
             log.info("%s %s: forgotten, %d peers known", self.peer_role, self.peers[key],
                      len(self.peers))  # fmt: skip
-            self.peers.pop(key).client.close()
+            forgotten = self.peers.pop(key)
+            forgotten.client.close()
+            self._unload(forgotten)
 
     def adopt(self, hello: Hello) -> RemoteRank[J]:
         """The peer that sent `hello` on its own connection to us, with that Hello as its
@@ -140,10 +144,11 @@ class Peers(Generic[J]):
         if peer is not None and (known is None or known.agent_name != hello.agent_name):
             log.info("%s %s: a new incarnation (%s)", self.peer_role, peer, hello.agent_name)
             peer.client.close()
+            self._unload(peer)
             peer = None
         if peer is None:
             self._make_room()
-            client = ControlClient(hello.host, hello.port, secret=self.ctx.config.secret)
+            client = self.ctx.control_client(hello.host, hello.port)
             peer = self.peers[key] = RemoteRank(hello.host, hello.port, client, hello)
         return peer
 
@@ -177,6 +182,14 @@ class Peers(Generic[J]):
         if error.kind == "remote_disconnect" and self.peers.get(key) is peer:
             log.warning("%s %s went away; the next transfer handshakes again", self.peer_role, peer)
             del self.peers[key]
+            self._unload(peer)
+
+    def _unload(self, peer: RemoteRank[J]) -> None:
+        """Unload a forgotten peer's NIXL agent (deferred by the transport while transfers
+        to it are in flight)."""
+        if peer.agent:
+            self.ctx.transport.remove_peer(peer.agent)
+            peer.agent = ""
 
     def notify(self, host: str, port: int, msg: Message) -> None:
         """Send `msg` from the message pool; a peer that cannot be reached is only logged."""
@@ -198,6 +211,7 @@ class Peers(Generic[J]):
     def _handshake(self, peer: RemoteRank[J]) -> None:
         """Pool thread: learn the peer's layout and NIXL agent, then hand back."""
         ctx = self.ctx
+        loaded = ""
         try:
             remote = peer.offered or peer.client.request(ctx.hello, timeout=10.0)
             peer.connection = peer.client.connection
@@ -209,6 +223,7 @@ class Peers(Generic[J]):
                 raise ConnectionError(f"incompatible peer {remote.engine_id}: {problem}")
             if self.load_agents:
                 agent = ctx.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
+                loaded = agent
                 same = (
                     same_shape(ctx.layout, remote.layout)
                     and remote.tp_size == ctx.identity.tp_size
@@ -220,6 +235,8 @@ class Peers(Generic[J]):
                 peer.agent, peer.same_shape = agent, same
             peer.hello = remote
         except Exception as exc:  # any failure here fails this peer's transfers, clearly
+            if loaded:
+                ctx.transport.remove_peer(loaded)
             peer.error_kind = peer.error_kind or "handshake_failed"
             peer.error = f"handshake with {self.peer_role} {peer} failed: {exc}"
             log.error("%s", peer.error)

@@ -75,9 +75,21 @@ class LeaseKeeper(PeerLoop[None]):
             if isinstance(msg, ReadDone):
                 total = self.ctx.layout.total_heads
                 readers = len(destinations(ident.tp_rank, ident.tp_size, msg.tp_size, total))
-                verdict, problem, released = self.leases.read_done(
-                    msg.transfer_id, msg.generation, msg.tp_rank, readers, msg.ok, msg.error, now
-                )
+                if readers == 0:
+                    # no decode rank reads our replica heads: free the KV (now or when held)
+                    why = f"no decode rank reads it: {msg.error or 'replica heads'}"
+                    verdict, problem = "held", ""
+                    released = self.leases.refuse(msg.transfer_id, why, now)
+                else:
+                    verdict, problem, released = self.leases.read_done(
+                        msg.transfer_id,
+                        msg.generation,
+                        msg.tp_rank,
+                        readers,
+                        msg.ok,
+                        msg.error,
+                        now,
+                    )
             else:
                 verdict, problem = self.leases.renew(msg.transfer_id, msg.generation, now)
                 released = []

@@ -5,19 +5,25 @@ Failure rules kept here (the pairing rules are `core.rendezvous`'s):
   even when the writer was held up (a slow handshake, a frozen process);
 - a WRITE still in flight after `transfer_timeout_s` is cancelled and fails;
 - decode hears of every write that will not happen (`NotifyFailure`), and of a cancel it
-  asked for only once no WRITE of that transfer can land in its blocks any more.
+  asked for only once no WRITE of that transfer can land in its blocks any more;
+- a transfer this rank writes to several decode ranks (`core.fanout`) is paired, written
+  and cancelled per decode rank, and its blocks are released once, when the last is done;
+  messages to decode name the transfer, never a leg.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
 
-from kvpush.core.planning import PlanError, blocks_from
+from kvpush.core.fanout import Fanout, leg_id, split_leg
+from kvpush.core.planning import PlanError, blocks_from, destinations
 from kvpush.core.protocol import Cancel, Registration, WriteDone
 from kvpush.core.rendezvous import (
     DropRegistration,
+    LocalBlocks,
     NotifyFailure,
     ReleaseBlocks,
     Rendezvous,
@@ -49,6 +55,9 @@ class PushWriter(PeerLoop[StartWrite]):
         # a connection registered when it closes (its decode exited or restarted)
         self._sources: dict[str, tuple[int, int]] = {}
         self._held: set[str] = set()  # test hook hold_prefill: transfers already held
+        self.fanout = Fanout()
+        # fanned-out transfer -> when its fan opened, to forget fans whose prefill never came
+        self._fan_opened: dict[str, float] = {}
         self._counted = dict.fromkeys(_FAILURE_STATS, 0)
 
     def gauges(self) -> dict[str, float]:
@@ -60,6 +69,7 @@ class PushWriter(PeerLoop[StartWrite]):
             "prefill_writes_in_flight": r.writes_in_flight,
             "prefill_tombstones": r.tombstones,
             "prefill_dropped_tombstones": r.stats.dropped_tombstones,
+            "prefill_fanned_transfers": len(self.fanout),
         }
 
     def next_deadline(self) -> float | None:
@@ -69,11 +79,11 @@ class PushWriter(PeerLoop[StartWrite]):
         now = time.monotonic()
         self.act(self.rendezvous.expire(now))  # nothing past its deadline pairs up
         if isinstance(item, Registered):
-            reg = item.registration
-            self._note_arrival(reg, at)
             self.peers.adopt(item.hello)
+            reg, exact = self._leg(item.registration, now)
+            self._note_arrival(reg, at)
             self._sources[reg.transfer_id] = (item.connection, reg.generation)
-            self.act(self.rendezvous.register(reg, now))
+            self.act(self.rendezvous.register(reg, now, exact))
         elif isinstance(item, ConnectionClosed):
             self._connection_closed(item, now)
         elif isinstance(item, SendSpec):
@@ -83,22 +93,28 @@ class PushWriter(PeerLoop[StartWrite]):
                 self.later(item, at, hold)
                 return
             self._held.discard(item.transfer_id)
-            self.act(
-                self.rendezvous.prefill_done(
-                    item.transfer_id, item.request_id, item.block_ids, item.num_tokens, now
+            local = LocalBlocks(item.transfer_id, item.request_id, item.block_ids, item.num_tokens)
+            if self.fanout.get(local.transfer_id) is not None:
+                self._feed(local, now)
+            else:
+                self.act(
+                    self.rendezvous.prefill_done(
+                        local.transfer_id, local.request_id, local.block_ids, local.num_tokens, now
+                    )
                 )
-            )
         elif isinstance(item, Cancel):
             ack_to = (item.ack_host, item.ack_port) if item.ack_port else None
-            self.act(
-                self.rendezvous.cancel(item.transfer_id, item.generation, item.reason, now, ack_to)
-            )
+            for leg in self._cancelled_legs(item.transfer_id, ack_to):
+                self.act(self.rendezvous.cancel(leg, item.generation, item.reason, now, ack_to))
         elif isinstance(item, AbortSpec):
-            self.act(
-                self.rendezvous.abort_local(
-                    item.transfer_id, item.request_id, "prefill request aborted", now
-                )
-            )
+            why = "prefill request aborted"
+            fan = self.fanout.get(item.transfer_id)
+            for leg in self.fanout.legs(item.transfer_id):
+                self.act(self.rendezvous.abort_local(leg, item.request_id, why, now))
+            if fan is not None and fan.local is None:
+                # no prefill will feed the fan: later registrations meet its tombstone
+                self._close_unfed(item.transfer_id)
+                self.act(self.rendezvous.abort_local(item.transfer_id, item.request_id, why, now))
         elif isinstance(item, PeerReady):
             peer = item.peer
             for start in self.peers.ready(peer):
@@ -112,6 +128,63 @@ class PushWriter(PeerLoop[StartWrite]):
         for moving, error in self.ended():
             self._finish(moving, error, now)
         self.act(self.rendezvous.expire(now))
+        # a fan whose prefill never came (it ran elsewhere, or never ended): its legs
+        # expired long ago; forget it (its prefill, should it end, waits out a lease)
+        too_old = now - 2 * (self.ctx.config.transfer_timeout_s + self.ctx.config.lease_s)
+        while self._fan_opened:
+            transfer_id, opened = next(iter(self._fan_opened.items()))
+            if opened > too_old:
+                break
+            self._close_unfed(transfer_id)
+
+    # Fan-out: one prefill written to several decode ranks
+
+    def _leg(self, reg: Registration, now: float) -> tuple[Registration, bool]:
+        """`reg` as the rendezvous pairs it, and whether only by its exact id: under its
+        leg when this rank writes the transfer to several decode ranks (decode splits the
+        heads finer than prefill). The first such registration opens the fan."""
+        transfer_id = reg.transfer_id
+        fan = self.fanout.get(transfer_id)
+        if fan is None:
+            ident = self.ctx.identity
+            total = self.ctx.layout.total_heads
+            ranks = destinations(ident.tp_rank, ident.tp_size, reg.tp_size, total)
+            if len(ranks) < 2 or reg.tp_rank not in ranks or self.rendezvous.is_gone(transfer_id):
+                return reg, False  # one destination, or a transfer already ended
+            fan = self.fanout.open(transfer_id, tuple(ranks))
+            self._fan_opened[transfer_id] = now
+            local = self.rendezvous.take_finished(transfer_id)
+            if local is not None:
+                self._feed(local, now)
+        if reg.tp_rank not in fan.ranks:
+            return reg, False  # not a destination of ours: it pairs with nothing
+        fan.senders[(reg.host, reg.port)] = reg.tp_rank
+        return dataclasses.replace(reg, transfer_id=leg_id(transfer_id, reg.tp_rank)), True
+
+    def _feed(self, local: LocalBlocks, now: float) -> None:
+        """A fanned-out transfer's prefill finished: each leg gets the blocks."""
+        self._fan_opened.pop(local.transfer_id, None)
+        for leg in self.fanout.feed(local):
+            self.act(
+                self.rendezvous.prefill_done(
+                    leg.transfer_id, leg.request_id, leg.block_ids, leg.num_tokens, now, True
+                )
+            )
+
+    def _close_unfed(self, transfer_id: str) -> None:
+        self._fan_opened.pop(transfer_id, None)
+        self.fanout.close_unfed(transfer_id)
+
+    def _cancelled_legs(self, transfer_id: str, ack_to: tuple[str, int] | None) -> list[str]:
+        """The legs a decode's Cancel stops: with an acknowledgement asked for, only the
+        leg registered from that address (the rank that cancels); without, every leg."""
+        legs = self.fanout.legs(transfer_id)
+        if ack_to is None or len(legs) == 1:
+            return legs
+        fan = self.fanout.get(transfer_id)
+        assert fan is not None
+        rank = fan.senders.get(ack_to)
+        return legs if rank is None else [leg_id(transfer_id, rank)]
 
     def _connection_closed(self, closed: ConnectionClosed, now: float) -> None:
         """Void every registration that came on the closed connection: no WRITE of them
@@ -143,17 +216,38 @@ class PushWriter(PeerLoop[StartWrite]):
             if isinstance(action, StartWrite):
                 self._start(action)
             elif isinstance(action, ReleaseBlocks):
-                self.results.sent(action.local.request_id)
-                if action.reason != "written":
-                    log.info("released KV of %s: %s", action.local.request_id, action.reason)
+                self._release(action)
             elif isinstance(action, NotifyFailure):
-                self.peers.notify(action.host, action.port, action.message)
+                message = action.message
+                leg = message.transfer_id
+                transfer_id, rank = split_leg(leg)
+                if rank is not None:  # decode knows the transfer, not our legs
+                    error = message.error.replace(leg, _shown(leg))
+                    message = dataclasses.replace(message, transfer_id=transfer_id, error=error)
+                self.peers.notify(action.host, action.port, message)
             elif isinstance(action, DropRegistration):
                 self._forget_source(action.registration)
                 log.info(
-                    "dropped registration %s: %s", action.registration.transfer_id, action.reason
+                    "dropped registration %s: %s",
+                    _shown(action.registration.transfer_id),
+                    action.reason,
                 )
         self._count_failures()
+
+    def _release(self, release: ReleaseBlocks) -> None:
+        """Free the blocks - for a fan-out, once its last leg let go of them."""
+        local = release.local
+        if split_leg(local.transfer_id)[1] is not None:
+            shared = self.fanout.released(local.transfer_id)
+            if shared is None:
+                return  # other legs still write from them
+            local = shared
+        self.results.sent(local.request_id)
+        if release.reason != "written":
+            reason = release.reason.replace(
+                release.local.transfer_id, _shown(release.local.transfer_id)
+            )
+            log.info("released KV of %s: %s", local.request_id, reason)
 
     def _count_failures(self) -> None:
         """Export the state machine's failure counters as `failures{kind}`."""
@@ -188,7 +282,7 @@ class PushWriter(PeerLoop[StartWrite]):
         try:
             self.post(
                 start,
-                reg.transfer_id,
+                split_leg(reg.transfer_id)[0],
                 "WRITE",
                 peer,
                 blocks_from(layout, local.block_ids, reg.first_token),
@@ -208,7 +302,7 @@ class PushWriter(PeerLoop[StartWrite]):
         reg = start.registration
         self._forget_source(reg)
         self.results.count("failures", kind)
-        log.warning("transfer %s to %s failed: %s", reg.transfer_id, reg.engine_id, error)
+        log.warning("transfer %s to %s failed: %s", _shown(reg.transfer_id), reg.engine_id, error)
         self.act(
             self.rendezvous.write_finished(
                 reg.transfer_id, reg.generation, False, error, time.monotonic()
@@ -225,7 +319,8 @@ class PushWriter(PeerLoop[StartWrite]):
         self.results.observe(write_s=now - moving.posted, bytes=float(moving.nbytes))
         self._forget_source(reg)
         ident = self.ctx.identity
-        done = WriteDone(reg.transfer_id, reg.generation, ident.tp_rank, ident.tp_size, True, "")
+        transfer_id = split_leg(reg.transfer_id)[0]
+        done = WriteDone(transfer_id, reg.generation, ident.tp_rank, ident.tp_size, True, "")
         try:
             peer.client.send(done)
         except (ConnectionError, OSError) as exc:
@@ -247,3 +342,9 @@ def _kind(exc: Exception) -> str:
     if isinstance(exc, TransferError) and exc.kind == "remote_disconnect":
         return "peer_gone"
     return "write_failed"
+
+
+def _shown(transfer_id: str) -> str:
+    """A transfer or leg id as logs show it: "chat-42" or "chat-42 (decode rank 1)"."""
+    base, rank = split_leg(transfer_id)
+    return base if rank is None else f"{base} (decode rank {rank})"

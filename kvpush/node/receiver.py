@@ -203,6 +203,21 @@ class Receiver(PeerLoop[_ForRank]):
             job = _ForRank(spec, rank)
             if self.peers.when_ready(peer, job):
                 self._go(job, peer)
+        if spec.generation == 0:
+            self._release_unread(spec)
+
+    def _release_unread(self, spec: RecvSpec) -> None:
+        """Prefill ranks whose heads no decode rank reads (replicas another rank sends) hold
+        the request's KV for nobody: tell them to free it now, not at the end of a lease.
+        Each such rank hears from one decode rank."""
+        why = "no decode rank reads this prefill rank's KV: its heads come from a replica"
+        for rank in self._unread(spec.prefill_tp):
+            host, port = spec.prefill_host, spec.prefill_port + rank
+            if self.pull:  # with no readers, prefill takes a ReadDone as "free it"
+                done = self._read_done(spec, False, why)
+                self.peers.submit(_request, self._client(host, port), done)
+            else:
+                self.peers.notify(host, port, Cancel(spec.transfer_id, _ALL_GENERATIONS, why))
 
     def _go(self, job: _ForRank, peer: RemoteRank[_ForRank]) -> None:
         """Handshaken with the job's rank: READ (pull), or register (push)."""
@@ -226,6 +241,13 @@ class Receiver(PeerLoop[_ForRank]):
         ident = self.ctx.identity
         total = self.ctx.layout.total_heads
         return tuple(sorted(planning.sources(ident.tp_rank, ident.tp_size, prefill_tp, total)))
+
+    def _unread(self, prefill_tp: int) -> list[int]:
+        """The prefill ranks nobody reads (`planning.unread`) that this rank tells to free
+        their KV: one decode rank each."""
+        ident = self.ctx.identity
+        unread = planning.unread(prefill_tp, ident.tp_size, self.ctx.layout.total_heads)
+        return [rank for rank in unread if rank % ident.tp_size == ident.tp_rank]
 
     def _outcomes(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
@@ -301,7 +323,7 @@ class Receiver(PeerLoop[_ForRank]):
         hold KV for it - tell each producer rank to free it now."""
         ident = self.ctx.identity
         why = "decode request ended before it got blocks"
-        for rank in self._producers(item.prefill_tp):
+        for rank in (*self._producers(item.prefill_tp), *self._unread(item.prefill_tp)):
             host, port = item.prefill_host, item.prefill_port + rank
             if self.pull:  # prefill answers a ReadDone; the answer changes nothing here
                 done = ReadDone(item.transfer_id, 0, ident.tp_rank, ident.tp_size, False, why)

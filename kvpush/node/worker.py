@@ -52,7 +52,7 @@ from kvpush.core.protocol import (
     WriteDone,
     check_compatible,
 )
-from kvpush.dataplane.control import ControlServer, Peer
+from kvpush.dataplane.control import ControlServer, Peer, tls_contexts
 from kvpush.dataplane.transport import NixlTransport
 from kvpush.node.config import KvpushConfig
 from kvpush.node.context import Context, Identity, Transport
@@ -92,7 +92,7 @@ class WorkerSide:
 
     @property
     def port(self) -> int:
-        return self.config.port + self.identity.tp_rank
+        return self.config.port + self.identity.port_offset
 
     def start(
         self,
@@ -106,7 +106,10 @@ class WorkerSide:
         """Register `memory` (where `layout` lies) with NIXL, start the part this role and
         mode needs and the control server. `mem` is "VRAM" for GPU KV, so NIXL moves it
         with GPUDirect where the backend can; `transport` replaces NIXL in tests."""
-        ident = self.identity
+        ident, config = self.identity, self.config
+        server_tls = client_tls = None
+        if config.tls:  # first: unreadable files fail before anything is registered
+            server_tls, client_tls = tls_contexts(config.tls_cert, config.tls_key, config.tls_ca)
         name = f"{ident.engine_id}-tp{ident.tp_rank}-{uuid.uuid4().hex[:8]}"
         if transport is None:
             self.transport = NixlTransport(name, self.config.backend)
@@ -131,14 +134,16 @@ class WorkerSide:
             host=self.config.host,
             port=self.port,
         )
-        self.ctx = ctx = Context(self.config, ident, transport, hello, self.results)
+        self.ctx = ctx = Context(config, ident, transport, hello, self.results, client_tls)
         self.part = self._make_part(ctx)
         self.part.start()
         self.server = ControlServer(
-            self.config.host,
+            config.host,
             self.port,
             self._on_message,
-            secret=self.config.secret,
+            secret=config.secret,
+            limits=config.control,
+            tls=server_tls,
             on_close=self._closed,
         )
         self.server.start()
@@ -159,12 +164,18 @@ class WorkerSide:
         )
         if self.config.secret is None:
             log.warning(
-                "kvpush control messages on %s:%d are not authenticated: anyone who can reach "
-                "the port can send them; set the same secret in KVPUSH_SECRET (or the variable "
-                "kv_connector_extra_config.secret_env names) on every prefill and decode",
+                "INSECURE: kvpush control messages on %s:%d are not authenticated (%s): anyone "
+                "who can reach the port gets this worker's NIXL metadata and KV addresses and "
+                "can then read and write its KV cache over NIXL, and can forge registrations "
+                "and completions. Only for a private test network; otherwise set the same "
+                "secret in KVPUSH_SECRET (or the variable kv_connector_extra_config.secret_env "
+                "names) on every prefill and decode",
                 self.config.host,
                 self.port,
+                "insecure: true" if self.config.insecure else "no shared secret",
             )
+        if self.config.tls:
+            log.info("kvpush control channel on %s:%d uses mutual TLS", self.config.host, self.port)
         if self.config.faults:
             log.warning(
                 "kvpush test hooks enabled (KVPUSH_FAULTS): %s; never in production",

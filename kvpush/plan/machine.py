@@ -15,7 +15,8 @@ setup, on that setup's own 1P1D servers but without a handoff (`kvpush/plan/meas
   costs in a step with nothing to load; only the hook's time is used, never the latency
   of those requests;
 - the proxy's added latency per mode from `kvpush proxy bench` (stub backends) and NIXL's
-  DRAM-to-DRAM bandwidth (../shared/ENVIRONMENT.md), both recorded with their source.
+  DRAM-to-DRAM bandwidth (measured between two processes, `NIXL_DRAM_GBPS` in
+  `kvpush.plan.measure`), both recorded with their source.
 
 Each setup is measured on its own servers, so whatever its connector runs in the
 background - NIXL's spinning progress thread in vLLM's setups, its paced one in the

@@ -27,7 +27,7 @@ background (NIXL's progress thread, spinning or paced) is running during all of 
 shows in that setup's engine numbers. None of this uses a TTFT or TPOT of a handed-off
 request. The proxy's added latency and NIXL's bandwidth are not measured here: they come
 from `--proxy-added-ms` (default: what `kvpush proxy bench` measured on this machine) and
-`--link-gbps` / `--memory-gbps` (../shared/ENVIRONMENT.md).
+`--link-gbps` / `--memory-gbps` (defaults: the bandwidths below, measured once).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ Say = Callable[[str], None]
 # load average 1.2-1.4: p50 TTFT through the proxy minus without it (pull: prefill then
 # decode stub, push: the decode stub alone).
 PROXY_ADDED_MS = {"pull": 1.05, "push": 0.97}
-# ../shared/ENVIRONMENT.md: NIXL DRAM->DRAM WRITE 12-13 GB/s between two processes (READ
-# is faster, 16-17); one-process memcpy 19.8 GB/s.
+# Measured on a 2-core x86 VM (UCX over loopback): NIXL DRAM->DRAM WRITE 12-13 GB/s between
+# two processes (READ is faster, 16-17); one-process memcpy 19.8 GB/s.
 NIXL_DRAM_GBPS = 12.5
 MEMCPY_GBPS = 19.8
 
@@ -447,8 +447,8 @@ def measure(
             "model": str(spec.pair.model),
             "proxy_added_ms": "kvpush proxy bench --streams 1 (p50 added TTFT), unless "
             "--proxy-added-ms was given",
-            "link_gbps": "NIXL DRAM->DRAM WRITE, ../shared/ENVIRONMENT.md",
-            "memory_gbps": "one-process memcpy, ../shared/ENVIRONMENT.md",
+            "link_gbps": "NIXL DRAM->DRAM WRITE between two processes, measured on a 2-core x86 VM",
+            "memory_gbps": "one-process memcpy, measured on a 2-core x86 VM",
         },
     )
     if spec.out.exists() and not redo:

@@ -41,10 +41,14 @@ class CorePlan:
     pinned: bool
 
     @property
+    def server_cores(self) -> list[int]:
+        """Every core some server has."""
+        return sorted({core for share in self.servers for core in share})
+
+    @property
     def rest_is_own(self) -> bool:
         """Whether the proxy and load generator have cores no server uses."""
-        used = {core for share in self.servers for core in share}
-        return self.pinned and bool(self.rest) and used.isdisjoint(self.rest)
+        return self.pinned and bool(self.rest) and set(self.server_cores).isdisjoint(self.rest)
 
 
 def plan_cores(

@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.proxy.rewrite import Backend
-from kvpush.testbed.pinning import CorePlan, pin_preexec, plan_cores
+from kvpush.testbed.pinning import CorePlan, parse_cpu_list, pin_preexec, plan_cores
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +176,55 @@ def format_cores(cores: Sequence[int]) -> str:
     return ",".join(runs)
 
 
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """How the servers of one role run: tensor- and data-parallel sizes and KV block size
+    (None: the attention backend's default)."""
+
+    tp: int = 1
+    dp: int = 1
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"TP and DP sizes must be at least 1, got TP {self.tp} DP {self.dp}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block size must be positive, got {self.block_size}")
+
+    @property
+    def ranks(self) -> int:
+        """Worker processes of one server: each gets a control port and a core binding."""
+        return self.tp * self.dp
+
+    def vllm_args(self) -> list[str]:
+        args = []
+        if self.tp > 1:
+            args += ["--tensor-parallel-size", str(self.tp)]
+        if self.dp > 1:
+            args += ["--data-parallel-size", str(self.dp)]
+        if self.block_size is not None:
+            args += ["--block-size", str(self.block_size)]
+        return args
+
+    def describe(self) -> str:
+        parts = [f"TP {self.tp}"] + ([f"DP {self.dp}"] if self.dp > 1 else [])
+        return ", ".join(parts + ([f"block {self.block_size}"] if self.block_size else []))
+
+
+def rank_binding(share: Sequence[int], ranks: int, available: Sequence[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a server of `ranks` workers: its cores split among
+    them ("0|1"); with fewer cores than workers, one core each, taken in turn from all
+    `available` cores starting at its own (the servers' cores overlap then)."""
+    if ranks == 1:
+        return format_cores(share)
+    if len(share) >= ranks:
+        per = len(share) // ranks
+        return "|".join(format_cores(share[i * per : (i + 1) * per]) for i in range(ranks))
+    pool = sorted(available)
+    start = pool.index(share[0]) if share[0] in pool else 0
+    return "|".join(str(pool[(start + i) % len(pool)]) for i in range(ranks))
+
+
 @dataclass(slots=True)
 class ServerSpec:
     name: str
@@ -186,16 +236,28 @@ class ServerSpec:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    parallel: Parallel = Parallel()
     pinned: bool = False  # the whole process tree confined to `cores`, not only the worker
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def kv_ports(self) -> range:
+        """The control (side-channel) ports of its workers: one per TP rank, per DP engine."""
+        return range(self.kv_port, self.kv_port + self.parallel.ranks)
+
     def backend(self) -> Backend:
         if self.role == "prefill":
-            return Backend(self.url, self.engine_id, "127.0.0.1", self.kv_port, 1)
+            return Backend(self.url, self.engine_id, "127.0.0.1", self.kv_port, self.parallel.tp)
         return Backend(self.url)
+
+
+def deployment_secret() -> str:
+    """The shared secret of one deployment: the operator's KVPUSH_SECRET if set, else a new
+    random one. Every kvpush server of the deployment gets it (vLLM's connectors ignore it)."""
+    return os.environ.get("KVPUSH_SECRET") or secrets.token_hex(32)
 
 
 @dataclass(slots=True)
@@ -226,6 +288,11 @@ class TopologyConfig:
     # Confine every process of each server to its cores (False: only the model worker's
     # threads, through VLLM_CPU_OMP_THREADS_BIND)
     pin: bool = True
+    # TP, DP and block size of the servers of a role ("prefill" or "decode"); default 1, 1
+    parallel: dict[str, Parallel] = field(default_factory=dict)
+    # Authenticates kvpush's control messages; the same for every server of this topology,
+    # restarted ones too (in their environment as KVPUSH_SECRET; extra_env may override).
+    secret: str = field(default_factory=deployment_secret, repr=False)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").exists():
@@ -237,7 +304,7 @@ class TopologyConfig:
             resolve_setup(self.setup)
             if self.n_prefill < 1 or self.n_decode < 1:
                 raise ValueError("--prefill and --decode must be at least 1")
-        for role in self.role_vllm_args:
+        for role in [*self.role_vllm_args, *self.parallel]:
             if role not in ("prefill", "decode"):
                 raise ValueError(f"role_vllm_args is for 'prefill' or 'decode', not {role!r}")
         for role, setup in self.role_setups.items():
@@ -307,13 +374,18 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
     else:
         roles = [("prefill", i) for i in range(config.n_prefill)]
         roles += [("decode", i) for i in range(config.n_decode)]
-    shares = core_plan(config, cores).servers
+    plan = core_plan(config, cores)
+    # Where a server with more workers than cores borrows cores: any server's, or with
+    # pinning off (main's behaviour) any core at all
+    everything = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    pool = plan.server_cores if config.pin else everything
     specs = []
-    for index, ((role, i), share) in enumerate(zip(roles, shares, strict=True)):
+    kv_port = config.kv_port
+    for (role, i), share in zip(roles, plan.servers, strict=True):
         offset = {"prefill": 100, "decode": 200, "single": 300}[role]
         name = f"{role}-{i}"
         port = config.port + offset + i
-        kv_port = config.kv_port + index
+        parallel = config.parallel.get(role, Parallel())
         argv = [
             sys.executable,
             "-m",
@@ -338,35 +410,34 @@ def build_specs(config: TopologyConfig, cores: Sequence[int] | None = None) -> l
             setup = resolve_setup(config.role_setups.get(role, config.setup))
             transfer = setup.transfer_config(role, name, config.timed_hooks)
             argv += ["--kv-transfer-config", json.dumps(transfer)]
+        argv += parallel.vllm_args()
         argv += config.extra_vllm_args + config.role_vllm_args.get(role, [])
+        binding = rank_binding(share, parallel.ranks, pool)
+        # pinned, the whole tree is held to the cores its ranks' threads are bound to: its
+        # share, or (TP2 on one core's share) the others' cores it borrows too
+        tree = sorted(parse_cpu_list(binding.replace("|", ",")))
         env = {
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
-            "VLLM_CPU_OMP_THREADS_BIND": format_cores(share),
+            "VLLM_CPU_OMP_THREADS_BIND": binding,
             "VLLM_CACHE_ROOT": str((config.workdir / "vllm-cache").resolve()),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
+            "KVPUSH_SECRET": config.secret,
             "PYTHONUNBUFFERED": "1",
             **hook_env(config, name),
             **config.extra_env,
         }
         specs.append(
             ServerSpec(
-                name,
-                role,
-                port,
-                kv_port,
-                name,
-                list(share),
-                argv,
-                env,
-                logs / f"{name}.log",
-                config.pin,
+                name, role, port, kv_port, name, tree, argv, env, logs / f"{name}.log",
+                parallel, config.pin,
             )
-        )
+        )  # fmt: skip
+        kv_port += parallel.ranks  # each worker has its own control port
     return specs
 
 
@@ -470,11 +541,13 @@ class Topology:
         self.stop()
 
     def start(self) -> None:
-        busy = [s for s in self.specs if port_in_use(s.port) or port_in_use(s.kv_port)]
+        busy = [s for s in self.specs if any(port_in_use(p) for p in (s.port, *s.kv_ports))]
         if busy:
             raise StartupError(
                 "ports already in use: "
-                + ", ".join(f"{s.name} ({s.port} or {s.kv_port})" for s in busy)
+                + ", ".join(
+                    f"{s.name} ({s.port} or {s.kv_ports[0]}-{s.kv_ports[-1]})" for s in busy
+                )
                 + "; stop what holds them or choose another --port / --kv-port"
             )
         for spec in self.specs:

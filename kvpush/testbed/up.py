@@ -15,10 +15,12 @@ from kvpush.args import allow_dash_value, at_least, port_number, positive
 from kvpush.testbed.pinning import NO_PIN_HELP, check_confined, confined
 from kvpush.testbed.topology import (
     SETUPS,
+    Parallel,
     StartupError,
     StartupProgress,
     Topology,
     TopologyConfig,
+    format_cores,
 )
 from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy, warm_up
 
@@ -33,7 +35,8 @@ setups:
                (kvpush.bench.nospin): the same code, one core less busy
 
 ports: the proxy listens on --port; prefill i on PORT+100+i, decode j on PORT+200+j;
-NIXL side channels on KV_PORT, KV_PORT+1, ...; logs go to WORKDIR/logs/.
+side channels (control ports) from KV_PORT on, one per worker (TP rank of each DP
+engine) of each server in turn; logs go to WORKDIR/logs/.
 
 cores: prefill servers share the first half of this process's cores, decode servers the
 second (each its own share where there are enough); every process of a server (API server,
@@ -47,6 +50,9 @@ examples:
   kvpush up --connector kvpush-pull --model models/tiny --prefill 1 --decode 2 \\
        --vllm-args "--enable-prefix-caching --max-num-batched-tokens 512"
   kvpush up --connector vllm-pull --model models/tiny --vllm-args --enable-prefix-caching
+  kvpush up --connector kvpush-push --model models/tiny --prefill-tp 2 --decode-tp 1
+  kvpush up --connector kvpush-pull --model models/tiny --decode-dp 2 \
+       --prefill-block-size 32 --decode-block-size 64
 """
 
 
@@ -101,6 +107,30 @@ def register(subparsers: Any) -> None:
                else '"--num-gpu-blocks-override 64"'),  # fmt: skip
         )
     allow_dash_value(parser, "--vllm-args", "--prefill-args", "--decode-args")
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-tp",
+            type=at_least(1),
+            default=1,
+            metavar="N",
+            help=f"tensor-parallel size of each {role} server (default 1)",
+        )
+        parser.add_argument(
+            f"--{role}-dp",
+            type=at_least(1),
+            default=1,
+            metavar="N",
+            help=f"data-parallel size of each {role} server (default 1)"
+            + ("; push mode needs 1" if role == "prefill" else ""),
+        )
+        parser.add_argument(
+            f"--{role}-block-size",
+            type=at_least(1),
+            default=None,
+            metavar="TOKENS",
+            help=f"KV block size of {role} servers (default: the attention backend's; "
+            "vLLM's CPU backend takes multiples of 32)",
+        )
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument("--startup-timeout", type=positive(), default=600.0)
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
@@ -131,6 +161,14 @@ def run(args: argparse.Namespace) -> int:
             extra_vllm_args=vllm_args(args.vllm_args),
             role_vllm_args={
                 role: vllm_args(getattr(args, f"{role}_args"), f"--{role}-args")
+                for role in ("prefill", "decode")
+            },
+            parallel={
+                role: Parallel(
+                    getattr(args, f"{role}_tp"),
+                    getattr(args, f"{role}_dp"),
+                    getattr(args, f"{role}_block_size"),
+                )
                 for role in ("prefill", "decode")
             },
             workdir=args.workdir,
@@ -181,10 +219,12 @@ def _print_plan(topology: Topology) -> None:
     pinning = topology.pinning()
     print(f"kvpush up: {config.setup}, model {config.model}", flush=True)
     for spec in topology.specs:
+        ports = spec.kv_ports
+        kv = f"{ports[0]}" if len(ports) == 1 else f"{ports[0]}-{ports[-1]}"
         print(
             f"  {spec.name:<10} {spec.url:<24} engine {spec.engine_id:<10} "
-            f"kv 127.0.0.1:{spec.kv_port:<6} cores {spec.env['VLLM_CPU_OMP_THREADS_BIND']:<5} "
-            f"log {spec.log_path}",
+            f"kv 127.0.0.1:{kv:<11} cores {spec.env['VLLM_CPU_OMP_THREADS_BIND']:<5} "
+            f"{spec.parallel.describe():<10} log {spec.log_path}",
             flush=True,
         )
     where = ", ".join(f"{n} on {s['cores']}" for n, s in pinning["servers"].items())
@@ -204,7 +244,7 @@ def confinement(topology: Topology) -> str:
         processes = len({t.pid for t in threads})
         lines.append(
             f"  {spec.name}: {processes} processes, {len(threads)} threads, all on cores "
-            f"{spec.env['VLLM_CPU_OMP_THREADS_BIND']}"
+            f"{format_cores(spec.cores)}"
             if not problems
             else f"  {spec.name}: NOT confined: " + "; ".join(problems[:3])
         )

@@ -6,6 +6,7 @@ worker (role WORKER); each instance forwards to `SchedulerSide` or `WorkerSide`.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,19 @@ if TYPE_CHECKING:
 STATS_EVERY_S = 1.0
 
 
+def log_like_vllm() -> None:
+    """kvpush's log records go where vLLM's go - its handler, format and level - so an
+    operator sees "released KV of ..." next to vLLM's own lines, with the process that
+    logged it. An operator's own configuration of the "kvpush" logger is left alone."""
+    ours, theirs = logging.getLogger("kvpush"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
 class KvpushConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
     _stats_due = 0.0  # monotonic time after which the hook timings go out again
@@ -47,6 +61,7 @@ class KvpushConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.config = KvpushConfig.from_extra(dict(transfer.kv_connector_extra_config or {}))
@@ -68,6 +83,21 @@ class KvpushConnector(KVConnectorBase_V1):
             cache_dtype=str(vllm_config.cache_config.cache_dtype),
             dcp_size=parallel.decode_context_parallel_size,
         )
+        # vLLM gives each data-parallel engine its own engine id (it appends "_dp<rank>");
+        # its ranks' control ports follow the previous engine's
+        dp_index = int(getattr(parallel, "data_parallel_index", 0) or 0)
+        if (
+            self.config.mode == "push"
+            and transfer.kv_role == "kv_producer"
+            and (parallel.data_parallel_size > 1 or dp_index > 0)
+        ):
+            # (vLLM runs each DP engine of a dense model as DP size 1: its index tells)
+            raise ValueError(
+                "kvpush push mode cannot serve a data-parallel prefill (--data-parallel-size "
+                "above 1): decode registers with prefill before the "
+                "request reaches it, and cannot know which DP engine will run it; run one "
+                "prefill server per DP rank behind the proxy, or use pull mode"
+            )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -77,6 +107,7 @@ class KvpushConnector(KVConnectorBase_V1):
                 is_producer=transfer.kv_role == "kv_producer",
                 tp_size=parallel.tensor_parallel_size,
                 block_size=self.facts.block_size,
+                dp_index=dp_index,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -89,6 +120,7 @@ class KvpushConnector(KVConnectorBase_V1):
                     model=str(model.model),
                     tp_rank=get_tensor_model_parallel_rank(),
                     tp_size=parallel.tensor_parallel_size,
+                    dp_index=dp_index,
                 ),
             )
 

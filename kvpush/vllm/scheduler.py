@@ -35,11 +35,14 @@ class SchedulerSide:
         is_producer: bool,
         tp_size: int = 1,
         block_size: int = 16,
+        dp_index: int = 0,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.is_producer = is_producer
         self.tp_size = tp_size
+        # this engine's first control port (its TP ranks' follow): DP engines take turns
+        self.port = config.port + dp_index * tp_size
         self.block_size = block_size
         self.timer = HookTimer("scheduler")
         # the hooks of every step keep their spans
@@ -186,7 +189,7 @@ class SchedulerSide:
                 "transfer_id": transfer_id,
                 "remote_engine_id": self.engine_id,
                 "remote_host": self.config.host,
-                "remote_port": self.config.port,
+                "remote_port": self.port,
                 "remote_block_ids": list(block_ids),
                 "remote_num_tokens": request.num_computed_tokens,
                 "tp_size": self.tp_size,

@@ -134,19 +134,23 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
         )
         # Lets a router tell, from /metrics, which kvpush mode and role a server runs -
-        # from start-up on, before any request (the proxy names mode mismatches with it).
+        # from start-up on, before any request (the proxy names mode mismatches with it) -
+        # and an operator whether its control messages are authenticated (auth "off": the
+        # server runs with insecure: true).
         info = gauge(
             name="kvpush:info",
-            documentation="kvpush connector identity (always 1): mode and role",
-            labelnames=[*labelnames, "mode", "role"],
+            documentation="kvpush connector identity (always 1): mode, role, auth on/off",
+            labelnames=[*labelnames, "mode", "role", "auth"],
             multiprocess_mode="mostrecent",
         )
         transfer = self._kv_transfer_config
         if transfer is not None:
-            mode = KvpushConfig.from_extra(dict(transfer.kv_connector_extra_config or {})).mode
+            extra = dict(transfer.kv_connector_extra_config or {})
+            config = KvpushConfig.from_extra(extra, require_secret=False)
             role = ROLES.get(str(transfer.kv_role), str(transfer.kv_role))
+            auth = "on" if config.secret else "off"
             for labels in self.per_engine_labelvalues.values():
-                info.labels(*labels, mode, role).set(1)
+                info.labels(*labels, config.mode, role, auth).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data

@@ -180,9 +180,10 @@ def kvpush_up(setup: str, model: Path, workdir: Path, *extra: str) -> Deployment
 
 def launch(
     setup: str, model: Path, workdir: Path, *extra: str, port: int = BASE_PORT,
-    kv_port: int = KV_PORT,
+    kv_port: int = KV_PORT, kv_ports: int = 2,
 ) -> Deployment:  # fmt: skip
-    """Start `kvpush up` (without waiting), so several deployments can start together."""
+    """Start `kvpush up` (without waiting), so several deployments can start together;
+    `kv_ports`: how many control ports its workers take (one per TP rank and DP engine)."""
     cmd = [
         sys.executable,
         "-m",
@@ -212,7 +213,7 @@ def launch(
         f"http://127.0.0.1:{port}",
         f"http://127.0.0.1:{port + 100}",
         f"http://127.0.0.1:{port + 200}",
-        (port, port + 100, port + 200, kv_port, kv_port + 1),
+        (port, port + 100, port + 200, *range(kv_port, kv_port + kv_ports)),
         [],
     )
 

@@ -39,8 +39,16 @@ from typing import Any
 
 import pytest
 
-from kvpush.core.protocol import GREETING_SIZE, NONCE_SIZE, LeaseRenew, Seal, greeting
-from kvpush.dataplane.control import frame
+from kvpush.core.protocol import (
+    GREETING_SIZE,
+    MAC_SIZE,
+    NONCE_SIZE,
+    LeaseRenew,
+    Seal,
+    greeting,
+    parse_greeting,
+)
+from kvpush.dataplane.control import frame, proof
 from kvpush.proxy.rewrite import format_backend
 from kvpush.testbed import scrape
 from kvpush.testbed.topology import ServerSpec, Topology, TopologyConfig, http_ok, port_in_use
@@ -287,13 +295,24 @@ def test_forged_replayed_and_oversized_control_messages_are_refused_and_counted(
     only(d, "push", "the control channel and its codec are the same in both modes")
     kv = ("127.0.0.1", d.prefill.kv_port)
     msg = LeaseRenew("forged", 0)
+    ours = b"a" * NONCE_SIZE
 
-    def session(send: bytes, our_greeting: bytes = greeting(b"a" * NONCE_SIZE)) -> bytes:
-        with socket.create_connection(kv, timeout=5) as sock:
+    def session(send: bytes, our_greeting: bytes = greeting(ours), prove: bool = True) -> bytes:
+        """Greet (and, `prove`, show the secret as a peer does), send, read until closed."""
+        with socket.create_connection(kv, timeout=8) as sock:
             server_greeting = b""
             while len(server_greeting) < GREETING_SIZE:
                 server_greeting += sock.recv(GREETING_SIZE - len(server_greeting))
-            sock.sendall(our_greeting + send)
+            sock.sendall(our_greeting)
+            if prove:
+                nonce = parse_greeting(server_greeting)
+                sock.sendall(proof(SECRET.encode(), "client", nonce, ours))
+                answer = b""
+                while len(answer) < MAC_SIZE:
+                    answer += sock.recv(MAC_SIZE - len(answer))
+                assert answer == proof(SECRET.encode(), "server", nonce, ours)
+            if send:
+                sock.sendall(send)
             received = b""
             with contextlib.suppress(ConnectionResetError):
                 while chunk := sock.recv(4096):
@@ -312,18 +331,21 @@ def test_forged_replayed_and_oversized_control_messages_are_refused_and_counted(
     started = time.monotonic()
     for name, data in attacks.items():
         assert session(data) == b"", f"{name}: the server answered instead of closing"
+    # without the secret's proof not even a well-formed frame is read: the server's own
+    # proof (32 bytes) is all that comes back before the close
+    assert len(session(b"p" * MAC_SIZE + frame(msg), prove=False)) == MAC_SIZE
     took = time.monotonic() - started
-    assert session(b"", our_greeting=b"SSH-2.0-OpenSSH_9.6\r\n") == b""
+    assert session(b"", our_greeting=b"SSH-2.0-OpenSSH_9.6\r\n", prove=False) == b""
     # the server keeps serving, and counts each refusal by kind (stats reach /metrics with
     # the next engine steps)
-    recovered(d, "control-attacks", f"5 attacks + 1 bad greeting refused in {took:.2f} s")
+    recovered(d, "control-attacks", f"6 attacks + 1 bad greeting refused in {took:.2f} s")
     after = metrics(d.prefill)
 
     def counted(kind: str) -> float:
         name = "kvpush:rejected_messages_total"
         return scrape.total(after, name, kind=kind) - scrape.total(before, name, kind=kind)
 
-    assert counted("bad_mac") == 2 and counted("replayed") == 1
+    assert counted("bad_mac") == 3 and counted("replayed") == 1
     assert counted("too_large") == 1 and counted("bad_magic") == 2
 
 

@@ -357,6 +357,34 @@ def test_concurrent_use_from_two_threads(pair: Pair) -> None:
     assert pair.call("check", [(b, b) for b in range(BLOCKS)], b"") == ""
 
 
+def test_a_removed_peer_stays_loaded_until_its_transfers_are_released(pair: Pair) -> None:
+    """Unloading an agent frees what its requests use: `remove_peer` defers it while a
+    request to the peer is held, refuses new transfers at once, and unloads on release."""
+    transport = pair.transport
+    nixl = transport._agent
+    transfer = transport.write_blocks(CHILD, pair.local_idx([12]), pair.remote_idx([13]))
+    transport.wait(transfer, timeout=5.0)  # complete, but the request is not released yet
+    transport.remove_peer(CHILD)
+    assert transport.peers() == [] and transport.loaded_peers() == [CHILD]
+    assert nixl.check_remote_metadata(CHILD), "not unloaded under a request"
+    with pytest.raises(TransferError, match="unknown peer"):
+        transport.write_blocks(CHILD, pair.local_idx([0]), pair.remote_idx([0]))
+    # A handshake repeated with the same process takes the agent back as it is...
+    assert transport.add_peer(pair.remote.agent_metadata, name=CHILD) == CHILD
+    assert transport.peers() == [CHILD]
+    transport.remove_peer(CHILD)
+    # ...new metadata under that name waits until the old requests are gone.
+    with pytest.raises(TransferError, match="new metadata") as info:
+        transport.add_peer(pair.remote.agent_metadata + b"?", name=CHILD)
+    assert info.value.kind == "not_allowed"
+    assert transfer.release()
+    assert transport.loaded_peers() == [] and not nixl.check_remote_metadata(CHILD)
+    connect(pair, pair.remote)  # loaded again for the tests after this one
+    with transport.write_blocks(CHILD, pair.local_idx([14]), pair.remote_idx([15])) as again:
+        transport.wait(again, timeout=5.0)
+    assert pair.call("check", [(12, 13), (14, 15)], b"") == ""
+
+
 def test_killed_peer_fails_fast_and_its_restart_can_be_loaded(pair: Pair) -> None:
     pair.child.kill()
     pair.child.join(5.0)

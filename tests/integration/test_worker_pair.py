@@ -573,3 +573,94 @@ def test_a_peer_that_went_away_is_forgotten_so_the_next_transfer_handshakes_agai
     peers.lost(peer, TransferError("remote_disconnect", "gone"))
     fresh = peers.get("127.0.0.1", pair.prefill.worker.port)
     assert fresh is not peer and fresh.hello is None
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_restarted_peer_s_old_nixl_agent_is_unloaded(pair_factory: object, mode: str) -> None:
+    """The side that loads the other's agent (prefill in push, decode in pull) keeps exactly
+    one across restarts of the other: each restart's old agent is unloaded from NIXL."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(mode, mode)
+    # push: prefill writes and loads decode's agent; pull: decode reads, loads prefill's
+    loader, restarted = ("prefill", "decode") if mode == "push" else ("decode", "prefill")
+    old_agents: list[str] = []
+    for i in range(4):
+        pair.prefill.sending.clear()
+        pair.decode.recving.clear()
+        pair.start(f"t{i}")
+        pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)  # noqa: B023
+        assert pair.decode.load_errors == set()
+        transport = getattr(pair, loader).worker.transport
+        other = getattr(pair, restarted).worker
+        assert other.ctx is not None
+        assert transport.loaded_peers() == [other.ctx.hello.agent_name], f"round {i}"
+        for name in old_agents:
+            assert not transport._agent.check_remote_metadata(name), f"{name} still loaded"
+        old_agents.append(other.ctx.hello.agent_name)
+        port = other.port
+        other.shutdown()
+        seed = 1 if restarted == "prefill" else None
+        setattr(pair, restarted, start_side(restarted, mode, 4, seed, port=port))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_kv_moves_with_a_secret_inside_mutual_tls(
+    pair_factory: object, mode: str, tmp_path: object
+) -> None:
+    """The settings reach every connection: the control server and every peer's client
+    use the secret's proof and TLS with the node's certificate."""
+    pytest.importorskip("cryptography")
+    from pathlib import Path
+
+    from tests.control_peers import issue
+
+    assert callable(pair_factory) and isinstance(tmp_path, Path)
+    files = issue(tmp_path, "ca", "node")
+    pair: Pair = pair_factory(
+        mode,
+        mode,
+        secret=b"pair-secret",
+        tls_cert=files.cert,
+        tls_key=files.key,
+        tls_ca=files.ca,
+    )
+    for side in (pair.prefill, pair.decode):
+        server = side.worker.server
+        assert server is not None and server.tls is not None and server.secret == b"pair-secret"
+    if mode == "pull":
+        from kvpush.core.protocol import grant
+
+        genuine = grant(b"pair-secret", "prefill-0", "t1", PREFILL_BLOCKS, NUM_TOKENS, 1)
+        spec = pair.recv_spec(remote_grant=genuine, remote_engine_id="prefill-0")
+    else:
+        spec = pair.recv_spec()
+    pair.prefill.step(Step(send=[send_spec()]))
+    pair.decode.step(Step(recv=[spec]))
+    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert pair.decode.load_errors == set()
+    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
+    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+    for side in (pair.prefill, pair.decode):
+        assert side.worker.stats_data()["rejected"] == {}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_transfers_after_idle_connections_were_replaced_succeed(
+    pair_factory: object, mode: str
+) -> None:
+    """Idle timeouts close and replace control connections; the next transfer handshakes
+    again where it must and succeeds."""
+    from kvpush.dataplane.control import Limits
+
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(mode, mode, control=Limits(idle_timeout_s=0.4))
+    for i in range(3):
+        pair.prefill.sending.clear()
+        pair.decode.recving.clear()
+        pair.start(f"t{i}")
+        pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)  # noqa: B023
+        assert pair.decode.load_errors == set(), f"round {i}"
+        time.sleep(0.6)  # past both the client's (0.2 s) and the server's (0.4 s) idle limit
+    for side in (pair.prefill, pair.decode):
+        stats = side.worker.stats_data()
+        assert stats["failures"] == {} and stats["rejected"] == {}, stats

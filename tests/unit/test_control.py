@@ -11,6 +11,7 @@ import pytest
 
 from kvpush.core.protocol import (
     GREETING_SIZE,
+    MAC_SIZE,
     NONCE_SIZE,
     PROTOCOL_VERSION,
     Cancel,
@@ -23,26 +24,17 @@ from kvpush.core.protocol import (
     greeting,
     parse_greeting,
 )
-from kvpush.dataplane.control import ControlClient, ControlServer, Peer, Unreachable, frame
+from kvpush.dataplane.control import (
+    ControlClient,
+    ControlServer,
+    Limits,
+    Unreachable,
+    frame,
+    proof,
+)
+from tests.control_peers import Recorder, read_until_closed, recv_exactly, wait_for
 
 SECRET = b"control-test-secret"
-
-
-class Recorder:
-    """Answers LeaseRenew with ReadDone, records everything else and answers nothing."""
-
-    def __init__(self) -> None:
-        self.received: list[tuple[Message, Peer]] = []
-        self.arrived = threading.Event()
-
-    def __call__(self, msg: Message, peer: Peer) -> Message | None:
-        self.received.append((msg, peer))
-        self.arrived.set()
-        if isinstance(msg, LeaseRenew):
-            if msg.transfer_id == "boom":
-                raise RuntimeError("handler bug")
-            return ReadDone(msg.transfer_id, msg.generation, 0, 1, True, "")
-        return None
 
 
 @pytest.fixture
@@ -52,7 +44,8 @@ def recorder() -> Recorder:
 
 @pytest.fixture
 def server(recorder: Recorder) -> Iterator[ControlServer]:
-    with ControlServer("127.0.0.1", 0, recorder, secret=SECRET, max_frame=4096) as srv:
+    limits = Limits(max_frame=4096)
+    with ControlServer("127.0.0.1", 0, recorder, secret=SECRET, limits=limits) as srv:
         yield srv
 
 
@@ -63,43 +56,26 @@ def client_for(server: ControlServer, secret: bytes | None = SECRET) -> ControlC
 OUR_NONCE = b"n" * NONCE_SIZE
 
 
-def recv_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        assert chunk, "connection closed"
-        data += chunk
-    return data
-
-
 def raw_connect(
-    port: int, hello: bytes | None = greeting(OUR_NONCE)
+    port: int, hello: bytes | None = greeting(OUR_NONCE), secret: bytes | None = SECRET
 ) -> tuple[socket.socket, bytes]:
-    """A hand-made client: connect, read the server's greeting, send ours (`hello`)."""
+    """A hand-made client: connect, read the server's greeting, send ours (`hello`); with
+    `secret` (and our own greeting), prove it and check the server's proof."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=2.0)
     server_nonce = parse_greeting(recv_exactly(sock, GREETING_SIZE))
     if hello is not None:
         sock.sendall(hello)
+    if secret is not None and hello == greeting(OUR_NONCE):
+        sock.sendall(proof(secret, "client", server_nonce, OUR_NONCE))
+        assert recv_exactly(sock, MAC_SIZE) == proof(secret, "server", server_nonce, OUR_NONCE)
     return sock, server_nonce
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    """A server closing with unread bytes makes the kernel reset the connection; that counts
-    as closed too."""
-    received = b""
-    with sock:
-        try:
-            while chunk := sock.recv(4096):
-                received += chunk
-        except ConnectionResetError:
-            pass
-    return received
 
 
 def raw_send(port: int, data: bytes, hello: bytes | None = greeting(OUR_NONCE)) -> bytes:
     """After the greetings, send raw bytes; then read until the server closes."""
     sock, _ = raw_connect(port, hello)
-    sock.sendall(data)
+    if data:
+        sock.sendall(data)
     return read_until_closed(sock)
 
 
@@ -179,16 +155,20 @@ def test_replayed_frames_are_refused_and_counted(server: ControlServer, recorder
 
 
 def test_a_replayed_reply_is_refused_by_the_client(recorder: Recorder) -> None:
-    """A fake server that answers with a reply recorded from another connection."""
+    """A fake server (it knows the secret) that answers with a reply recorded from another
+    connection."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         stale = sealed(ReadDone("t-1", 0, 0, 1, True, ""), b"s" * NONCE_SIZE, 0)
+        server_nonce = b"x" * NONCE_SIZE
 
         def serve() -> None:
             conn, _ = listener.accept()
             with conn:
-                conn.sendall(greeting(b"x" * NONCE_SIZE))
-                recv_exactly(conn, GREETING_SIZE)
+                conn.sendall(greeting(server_nonce))
+                client_nonce = parse_greeting(recv_exactly(conn, GREETING_SIZE))
+                conn.sendall(proof(SECRET, "server", server_nonce, client_nonce))
+                recv_exactly(conn, MAC_SIZE)
                 conn.recv(4096)
                 conn.sendall(stale)
                 conn.recv(4096)
@@ -203,15 +183,22 @@ def test_a_replayed_reply_is_refused_by_the_client(recorder: Recorder) -> None:
         thread.join()
 
 
-def test_wrong_secret_is_refused(server: ControlServer) -> None:
+def test_wrong_secret_is_refused(server: ControlServer, recorder: Recorder) -> None:
     with (
         client_for(server, secret=b"another secret") as client,
         pytest.raises(ConnectionError, match="same shared secret"),
     ):
         client.request(LeaseRenew("t-1", 0))
-    with client_for(server, secret=None) as client, pytest.raises(ConnectionError):
+    # A client with no secret sends its frame at once; the server reads it as a wrong proof
+    # and closes, and the client reads the server's proof as a reply of absurd length.
+    with (
+        client_for(server, secret=None) as client,
+        pytest.raises((ConnectionError, ProtocolError), match="same shared secret"),
+    ):
         client.request(LeaseRenew("t-1", 0))
-    assert server.rejected == {"bad_mac": 4}  # two clients, each tried twice
+    wait_for(lambda: server.rejected.get("bad_mac", 0) >= 2)
+    assert set(server.rejected) == {"bad_mac"} and server.rejected["bad_mac"] in (2, 3)
+    assert recorder.received == []
 
 
 def test_connection_refused_names_the_address() -> None:
@@ -314,7 +301,7 @@ def test_pipelined_frames_in_one_segment_are_all_answered(server: ControlServer)
 
 
 def test_connections_beyond_the_limit_are_refused(recorder: Recorder) -> None:
-    with ControlServer("127.0.0.1", 0, recorder, max_connections=2) as server:
+    with ControlServer("127.0.0.1", 0, recorder, limits=Limits(max_connections=2)) as server:
         first = client_for(server, secret=None)
         second = client_for(server, secret=None)
         assert first.request(LeaseRenew("t-1", 0)) == ReadDone("t-1", 0, 0, 1, True, "")

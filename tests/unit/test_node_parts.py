@@ -71,6 +71,9 @@ class FakeTransport:
     def add_peer(self, metadata: bytes, name: str | None = None) -> str:
         return name or "peer"
 
+    def remove_peer(self, name: str) -> None:
+        self.prepared.pop(name, None)
+
     def prepare_peer_blocks(
         self,
         peer: str,

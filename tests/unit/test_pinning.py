@@ -22,7 +22,13 @@ from kvpush.testbed.pinning import (
     plan_cores,
     tree_affinity,
 )
-from kvpush.testbed.topology import PairSettings, Topology, TopologyConfig, build_specs
+from kvpush.testbed.topology import (
+    PairSettings,
+    Parallel,
+    Topology,
+    TopologyConfig,
+    build_specs,
+)
 
 
 def test_two_cores_give_each_server_one_and_leave_the_proxy_floating() -> None:
@@ -168,3 +174,23 @@ def test_confined_holds_the_calling_thread_only_while_inside() -> None:
 def test_cpu_lists_read_as_proc_writes_them() -> None:
     assert parse_cpu_list("0-2,5,7-8\n") == {0, 1, 2, 5, 7, 8}
     assert parse_cpu_list("3") == {3}
+
+
+def test_a_server_with_more_workers_than_cores_is_pinned_to_every_core_its_ranks_use(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    config = TopologyConfig(
+        model=tmp_path,
+        setup="kvpush-push",
+        workdir=tmp_path / "w",
+        parallel={"prefill": Parallel(tp=2)},
+    )
+    prefill, decode = build_specs(config, cores=[0, 1])
+    # TP2 on a 2-core box: its ranks run on cores 0 and 1, so its tree may use both
+    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and prefill.cores == [0, 1]
+    assert decode.cores == [1] and prefill.pinned and decode.pinned
+    # with a core kept for the proxy, the borrowed one is a server's, never the proxy's
+    prefill, decode = build_specs(config, cores=[0, 1, 2])
+    assert prefill.cores == [0, 1] and decode.cores == [1]
+    assert Topology(config, cores=[0, 1, 2]).client_cores == [2]

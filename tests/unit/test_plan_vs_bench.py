@@ -10,7 +10,8 @@ running on the 2 cores:
   proxy's added latency from `kvpush proxy bench --streams 1` at 16:48 (1.05 ms pull, 0.97
   push). Every parameter comes from probes without a handoff (medians of lone prompts'
   engine prefill and front-end time, lone and batched streamed TPOT on decode, decode's
-  start_load_kv hook time), from kvpush's transfer metrics and ../shared/ENVIRONMENT.md -
+  start_load_kv hook time), from kvpush's transfer metrics and the NIXL bandwidth measured
+  once (plan/measure.py) -
   none from these results.
 
 The prediction is not within 25% of the measurement at most points, and the parameters

@@ -19,6 +19,7 @@ from kvpush.core.planning import (
     merge_runs,
     plan_transfer,
     sources,
+    unread,
 )
 
 UNIT = 8  # bytes of one head of one token
@@ -211,6 +212,17 @@ def test_sources_split_heads_and_share_replicas() -> None:
     assert [sources(r, 4, 2, 1) for r in range(4)] == [{0: (0, 1)}, {1: (0, 1)}] * 2
     assert destinations(1, 2, 4, 1) == [1, 3]
     assert destinations(0, 1, 2, 4) == [0, 1]
+
+
+def test_unread_names_the_replicas_no_consumer_reads() -> None:
+    assert unread(2, 1, 1) == [1]  # MQA or MLA, prefill TP 2 -> decode TP 1
+    assert unread(4, 2, 1) == [2, 3]
+    assert unread(4, 1, 2) == [1, 3]  # ranks 0,1 hold head 0, ranks 2,3 head 1
+    assert unread(2, 1, 4) == [] and unread(1, 2, 4) == [] and unread(2, 4, 1) == []
+    for src_tp, tp, total in [(2, 1, 1), (4, 2, 1), (4, 1, 2), (8, 2, 4), (2, 2, 8)]:
+        read = {p for r in range(tp) for p in sources(r, tp, src_tp, total)}
+        assert read.isdisjoint(unread(src_tp, tp, total))
+        assert read | set(unread(src_tp, tp, total)) == set(range(src_tp))
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,9 @@ EXAMPLES: list[Message] = [
 
 # -- strategies for valid messages -------------------------------------------------------
 
-ids = st.text(min_size=1, max_size=40)
+ids = st.text(
+    st.characters(min_codepoint=0x20, exclude_categories=("Cs",)), min_size=1, max_size=40
+)
 texts = st.text(max_size=100)
 generations = st.integers(0, I63_MAX)
 
@@ -319,6 +321,7 @@ def registration_fields(**changes: object) -> list[object]:
         ({"num_tokens": 1.5}, "num_tokens"),
         ({"transfer_id": ""}, "transfer_id"),
         ({"transfer_id": "x" * (MAX_ID_LEN + 1)}, "transfer_id"),
+        ({"transfer_id": "t1\x1f0"}, "control characters"),
         ({"request_id": b"bytes"}, "request_id"),
         ({"block_ids": [1, -2]}, "block_ids"),
         ({"block_ids": [1, None]}, "block_ids"),

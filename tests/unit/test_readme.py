@@ -156,6 +156,19 @@ def test_docs_point_to_nothing_outside_the_repository(doc: Path) -> None:
     assert not [s for s in OUTSIDE if s in text]
 
 
+def test_no_file_points_outside_the_repository() -> None:
+    """The project stands alone: code, scripts, test data and docs name nothing beside it."""
+    this = Path(__file__).resolve()
+    offenders = [
+        str(path.relative_to(REPO))
+        for top in (*SOURCES, "Makefile", ".ci")
+        for path in ([REPO / top] if (REPO / top).is_file() else (REPO / top).rglob("*"))
+        if path.is_file() and path.resolve() != this and "__pycache__" not in path.parts
+        and any(s in path.read_text(errors="replace") for s in OUTSIDE)
+    ]  # fmt: skip
+    assert offenders == []
+
+
 def test_anchor_is_githubs() -> None:
     assert anchor("Failures and security") == "failures-and-security"
     assert anchor("The proxy's overhead: `kvpush proxy bench`") == (

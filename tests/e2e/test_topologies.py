@@ -1,0 +1,235 @@
+"""Heterogeneous P/D topologies with real vLLM servers, both kvpush modes.
+
+Each case is one `kvpush up` command line (as a user starts it) per mode, next to a plain
+vLLM server as the reference:
+
+- tp1-to-tp2: prefill TP 1 with 32-token blocks -> decode TP 2 with 64-token blocks (one
+  prefill rank writes both decode ranks, each its own heads; block sizes differ);
+- tp2-to-tp1: prefill TP 2 with 64-token blocks -> decode TP 1 with 32-token blocks (the
+  decode rank gathers its heads from both prefill ranks);
+- 2p2d: two prefills and two decodes behind the proxy; a burst spreads over both decodes;
+- decode-dp2: decode runs two data-parallel engines (their own control ports and engine
+  ids); requests reach both.
+
+Every answer must equal the reference's at temperature 0, decode's external-KV token
+counter must grow by the prompt's tokens, and no kvpush failure may be counted. vLLM's CPU
+backend takes block sizes in multiples of 32 (its kernels' `MultipleOf(32)`); the model is
+float32 so that TP's split sums round as one server's do.
+
+The default run takes tp1-to-tp2 (the case that exercises fan-out, heads split across ranks
+and unequal blocks at once); KVPUSH_TOPOLOGIES=all runs every case (about 15 minutes on
+2 cores), KVPUSH_TOPOLOGIES=2p2d,decode-dp2 the ones named.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.testbed import scrape
+from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
+from kvpush.testbed.topology import Topology, TopologyConfig
+from tests.e2e.conftest import (
+    BASE_PORT,
+    KV_PORT,
+    PROMPTS,
+    Deployment,
+    launch,
+    ports_free,
+    post,
+    wait_ready,
+)
+
+pytestmark = pytest.mark.e2e
+MODEL = TinyModelSpec(heads=8, kv_heads=4, head_dim=64, dtype="float32")
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+SUCCESS = "vllm:request_success_total"
+
+
+@dataclass(frozen=True)
+class Case:
+    args: tuple[str, ...]
+    prefills: int = 1
+    decodes: int = 1
+    workers: int = 2  # control ports all servers' workers take
+
+
+CASES = {
+    "tp1-to-tp2": Case(
+        ("--decode-tp", "2", "--prefill-block-size", "32", "--decode-block-size", "64"),
+        workers=3,
+    ),
+    "tp2-to-tp1": Case(
+        ("--prefill-tp", "2", "--prefill-block-size", "64", "--decode-block-size", "32"),
+        workers=3,
+    ),
+    "2p2d": Case(("--prefill", "2", "--decode", "2"), prefills=2, decodes=2, workers=4),
+    "decode-dp2": Case(("--decode-dp", "2",), workers=3),
+}
+DEFAULT = ("tp1-to-tp2",)
+MODES = ("kvpush-push", "kvpush-pull")
+REFERENCE_PORT = BASE_PORT + 400
+BURST = 8
+
+
+def chosen() -> tuple[str, ...]:
+    wanted = os.environ.get("KVPUSH_TOPOLOGIES", "")
+    if wanted == "all":
+        return tuple(CASES)
+    names = tuple(n for n in wanted.split(",") if n) or DEFAULT
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise ValueError(f"KVPUSH_TOPOLOGIES: unknown {unknown}; cases: {', '.join(CASES)}")
+    return names
+
+
+def completion(model: Path, prompt: str) -> dict[str, Any]:
+    return {"model": str(model), "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.mktemp("topologies") / "model", MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """One plain vLLM server's answers (on one core, as each P/D server runs)."""
+    config = TopologyConfig(
+        model=model,
+        setup=None,
+        port=REFERENCE_PORT,
+        eager=True,
+        workdir=tmp_path_factory.mktemp("reference"),
+    )
+    with Topology(config, cores=[0]) as single:
+        single.start()
+        single.wait_healthy(timeout=400)
+        url = single.specs[0].url
+        return {
+            p: post(url + "/v1/completions", completion(model, p))["choices"][0]["text"]
+            for p in PROMPTS
+        }
+
+
+@dataclass
+class Running:
+    case: Case
+    deployments: dict[str, Deployment]
+    started_s: dict[str, float]
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=str)
+def running(
+    request: pytest.FixtureRequest,
+    model: Path,
+    reference: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Running]:
+    name = request.param
+    if name not in chosen():
+        pytest.skip(f"{name} runs with KVPUSH_TOPOLOGIES=all (or ={name})")
+    case = CASES[name]
+    work = tmp_path_factory.mktemp(name)
+    deployments: dict[str, Deployment] = {}
+    try:
+        for index, setup in enumerate(MODES):
+            slot = 4 * list(CASES).index(name) + 2 * index
+            deployments[setup] = launch(
+                setup, model, work / setup, *case.args, port=REFERENCE_PORT + 1 + slot,
+                kv_port=KV_PORT + 400 + 8 * slot, kv_ports=case.workers,
+            )  # fmt: skip
+        for deployment in deployments.values():
+            wait_ready(deployment, timeout=600)
+        started = {setup: healthy_after(d) for setup, d in deployments.items()}
+        yield Running(case, deployments, started)
+    finally:
+        for deployment in deployments.values():
+            deployment.stop()
+    for deployment in deployments.values():
+        assert ports_free(deployment.ports), f"{name}: ports still bound {deployment.ports}"
+
+
+def healthy_after(deployment: Deployment) -> float:
+    for line in deployment.output:
+        found = re.search(r"servers healthy after (\d+) s", line)
+        if found:
+            return float(found.group(1))
+    return float("nan")
+
+
+def decode_urls(deployment: Deployment, case: Case) -> list[str]:
+    base = int(deployment.decode.rsplit(":", 1)[1])
+    return [f"http://127.0.0.1:{base + j}" for j in range(case.decodes)]
+
+
+def prefill_urls(deployment: Deployment, case: Case) -> list[str]:
+    base = int(deployment.prefill.rsplit(":", 1)[1])
+    return [f"http://127.0.0.1:{base + i}" for i in range(case.prefills)]
+
+
+def totals(urls: list[str], name: str, **labels: str) -> list[float]:
+    return [scrape.total(scrape.scrape(url), name, **labels) for url in urls]
+
+
+@pytest.mark.parametrize("setup", MODES)
+def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
+    running: Running, model: Path, reference: dict[str, str], setup: str
+) -> None:
+    deployment, case = running.deployments[setup], running.case
+    decodes = decode_urls(deployment, case)
+    for prompt in PROMPTS:
+        before = sum(totals(decodes, EXTERNAL, source="external_kv_transfer"))
+        answer = post(deployment.proxy + "/v1/completions", completion(model, prompt))
+        assert answer["choices"][0]["text"] == reference[prompt], (setup, prompt)
+        moved = sum(totals(decodes, EXTERNAL, source="external_kv_transfer")) - before
+        assert moved == answer["usage"]["prompt_tokens"], (setup, prompt)
+    for url in [*prefill_urls(deployment, case), *decodes]:
+        assert scrape.total(scrape.scrape(url), "kvpush:failures_total") == 0, url
+    print(f"\n{setup} {case.args}: healthy {running.started_s[setup]:.0f} s after launch")
+
+
+@pytest.mark.parametrize("setup", MODES)
+def test_a_burst_is_answered_right_and_reaches_every_decode_engine(
+    running: Running, model: Path, reference: dict[str, str], setup: str
+) -> None:
+    """2 decodes: the proxy's load-aware choice spreads a burst over both; DP 2: vLLM's
+    front end spreads it over both engines (each counts its own requests)."""
+    deployment, case = running.deployments[setup], running.case
+    decodes = decode_urls(deployment, case)
+    engines = 2 if "--decode-dp" in case.args else 1
+    if case.decodes == 1 and engines == 1:
+        pytest.skip("one decode engine: nothing to spread over")
+    before = _per_engine(decodes, engines)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(BURST)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(BURST) as pool:
+        answers = list(
+            pool.map(
+                lambda p: post(deployment.proxy + "/v1/completions", completion(model, p)),
+                prompts,
+            )
+        )
+    took = time.monotonic() - started
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert answer["choices"][0]["text"] == reference[prompt], (setup, prompt)
+    served = [a - b for a, b in zip(_per_engine(decodes, engines), before, strict=True)]
+    assert sum(served) == BURST and all(n > 0 for n in served), served
+    print(f"\n{setup}: burst of {BURST} in {took:.1f} s, per decode engine {served}")
+
+
+def _per_engine(decodes: list[str], engines: int) -> list[float]:
+    if engines == 1:
+        return totals(decodes, SUCCESS)
+    return [
+        sum(totals(decodes, SUCCESS, engine=str(engine))) for engine in range(engines)
+    ]
