@@ -161,6 +161,12 @@ class Direct:
     def __init__(self, topology: Topology) -> None:
         self.url = topology.specs[0].url
 
+    def log_chunks(self) -> None:
+        return None
+
+    def logged_chunks(self) -> dict[str, list[tuple[float, int]]] | None:
+        return None  # no proxy: the client's own timestamps are all there is
+
     def __enter__(self) -> Direct:
         return self
 
@@ -195,6 +201,21 @@ class ProxyThread:
     @property
     def url(self) -> str:
         return local_url(self.port)
+
+    def _proxy(self) -> Any:
+        from kvpush.proxy.server import PROXY_KEY
+
+        return self.runner.app[PROXY_KEY]
+
+    def log_chunks(self) -> None:
+        """From now on, keep when each chunk of decode's answers reached the proxy."""
+        self._proxy().chunk_logs = {}
+
+    def logged_chunks(self) -> dict[str, list[tuple[float, int]]] | None:
+        """What was kept since `log_chunks`, by request id; and stop keeping it."""
+        proxy = self._proxy()
+        logs, proxy.chunk_logs = proxy.chunk_logs, None
+        return dict(logs) if logs is not None else None
 
     def __enter__(self) -> ProxyThread:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -338,14 +359,12 @@ def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:
 
 
 def run_point(
-    spec: SweepSpec,
-    point: Point,
-    topology: Topology,
-    proxy_url: str,
-    proxy_tid: int | None = None,
+    spec: SweepSpec, point: Point, topology: Topology, proxy: ProxyThread | Direct
 ) -> dict[str, Any]:
-    """Run `vllm bench serve` once and return the run's result record (with `spec.trace`,
-    also write its trace; `proxy_tid`: the proxy thread's id, whose CPU it counts)."""
+    """Run `vllm bench serve` once through `proxy` and return the run's result record
+    (with `spec.trace`, also write its trace: the proxy thread's CPU and the chunks it
+    relayed among what it holds)."""
+    proxy_url = proxy.url
     raw_dir = spec.out / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     raw_path = raw_dir / f"{point.stem}.vllm.json"
@@ -360,12 +379,13 @@ def run_point(
     reason: str | None = None
     log_path = point.log_path(spec.out)
     client = topology.client_cores
-    tracer = trace.Tracer(topology, proxy_tid=proxy_tid) if spec.trace else None
+    tracer = trace.Tracer(topology, proxy_tid=proxy.native_id) if spec.trace else None
     with open(log_path, "wb") as log, QueueSampler(decode_url) as sampler:
         log.write(("$ " + " ".join(command) + "\n").encode())
         log.flush()
         if tracer is not None:
             tracer.start()
+            proxy.log_chunks()
         proc = subprocess.Popen(
             command,
             stdout=log,
@@ -411,7 +431,9 @@ def run_point(
         status, reason = "server died", str(exc).splitlines()[0]
     traced: dict[str, Any] = {}
     if tracer is not None:
-        record = tracer.result(raw, sampler.times, sampler.waiting, sampler.running)
+        record = tracer.result(
+            raw, sampler.times, sampler.waiting, sampler.running, proxy.logged_chunks()
+        )
         trace_path = spec.out / "trace" / f"{point.stem}.json"
         trace.write(trace_path, record)
         traced = {
@@ -599,7 +621,7 @@ def run_group(
                         f"  [{setup}] qps {point.rate:g}, {point.input_len} in / "
                         f"{point.output_len} out, {spec.num_prompts} prompts ..."
                     )
-                    result = run_point(spec, point, topology, proxy.url, proxy.native_id)
+                    result = run_point(spec, point, topology, proxy)
                     res.write_result(point.path(spec.out), result)
                     written.append(result)
                     progress.advance()

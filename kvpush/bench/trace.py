@@ -218,7 +218,7 @@ class Tracer:
 
     def result(
         self, raw: dict[str, Any] | None, queue_times: Sequence[float], waiting: Sequence[float],
-        running: Sequence[float],
+        running: Sequence[float], proxy_chunks: dict[str, list[tuple[float, int]]] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         cpu = {
             role: cpu_delta(self.first.get(role, {}), procs) for role, procs in self.last.items()
@@ -227,6 +227,7 @@ class Tracer:
             name: step_rates(points, self.started, queue_times, waiting, running)
             for name, points in self.steps.items()
         }
+        at_proxy = proxy_chunk_times(proxy_chunks, self.started)
         return {
             "schema": "kvpush.bench.trace/1",
             "every_s": self.every,
@@ -236,7 +237,8 @@ class Tracer:
             "timeline": self.samples,
             "steps": steps,
             "chunks": chunk_times(raw, self.started),
-            "summary": summary(cpu, steps),
+            "proxy_chunks": at_proxy,
+            "summary": {**summary(cpu, steps), **burst_shares(raw, at_proxy)},
         }
 
 
@@ -304,6 +306,42 @@ def chunk_times(raw: dict[str, Any] | None, started: float) -> list[dict[str, An
     return out
 
 
+def proxy_chunk_times(
+    logs: dict[str, list[tuple[float, int]]] | None, started: float
+) -> list[dict[str, Any]]:
+    """Per request through the proxy: when each chunk of decode's answer reached the proxy
+    (s from the start of the run) and its size in bytes (the last is the stream's end)."""
+    return [
+        {
+            "request": request,
+            "chunks_s": [round(at - started, 4) for at, _ in chunks],
+            "bytes": [size for _, size in chunks],
+        }
+        for request, chunks in (logs or {}).items()
+        if chunks
+    ]
+
+
+def burst_shares(raw: dict[str, Any] | None, at_proxy: list[dict[str, Any]]) -> dict[str, Any]:
+    """The share of answers sent in one burst, at the client (`one_burst_share`) and at the
+    proxy: there, an answer whose first chunk came less than ONE_BURST_MS before the chunk
+    that brought 90 % of its bytes (so a closing usage or `[DONE]` chunk does not count).
+    Equal shares put the bursts upstream of the proxy, in decode's server."""
+    from kvpush.bench.results import ONE_BURST_MS, one_burst_share
+
+    def burst(times: Sequence[float], sizes: Sequence[int]) -> bool:
+        total, so_far = sum(sizes), 0
+        for at, size in zip(times, sizes, strict=True):
+            so_far += size
+            if so_far >= 0.9 * total:
+                return (at - times[0]) * 1e3 < ONE_BURST_MS
+        return True
+
+    bursts = [burst(c["chunks_s"], c["bytes"]) for c in at_proxy]
+    proxy = sum(bursts) / len(bursts) if bursts else None
+    return {"one_burst_client": one_burst_share(raw or {}), "one_burst_proxy": proxy}
+
+
 def summary(cpu: dict[str, list[Any]], steps: dict[str, Any]) -> dict[str, Any]:
     """The few numbers to read first: CPU seconds per process of each server (by name), of
     the client and the proxy, and each server's engine steps per second by queue state."""
@@ -319,7 +357,7 @@ def describe(trace: dict[str, Any]) -> str:
     processes, of the client and the proxy; decode's steps per second while requests wait."""
     parts = []
     for role, procs in trace["summary"].items():
-        if role == "steps_per_s":
+        if not isinstance(procs, dict) or role == "steps_per_s":
             continue
         busy = [
             f"{name.split(' ', 1)[1]} {seconds:.1f}"
@@ -331,6 +369,13 @@ def describe(trace: dict[str, Any]) -> str:
     for name, kinds in trace["summary"].get("steps_per_s", {}).items():
         if kinds.get("waiting") is not None:
             line += f"; {name} {kinds['waiting']:.0f} steps/s while requests wait"
+    shares = [
+        f"{where} {trace['summary'][f'one_burst_{where}']:.0%}"
+        for where in ("client", "proxy")
+        if trace["summary"].get(f"one_burst_{where}") is not None
+    ]
+    if shares:
+        line += "; answers in one burst at the " + ", ".join(shares)
     return line
 
 
