@@ -33,7 +33,13 @@ from kvpush.bench import compare, plot, results, sweep
 from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.pinning import NO_PIN_HELP
-from kvpush.testbed.topology import BENCH_SETUPS, MAIN_SETUPS, SWEEP_SETUPS, PairSettings
+from kvpush.testbed.topology import (
+    BENCH_SETUPS,
+    MAIN_SETUPS,
+    SETUPS,
+    SWEEP_SETUPS,
+    PairSettings,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -52,7 +58,7 @@ def register(subparsers: Any) -> None:
         epilog=HOOKS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    compare.add_arguments(hooks, MAIN_SETUPS)
+    compare.add_arguments(hooks, MAIN_SETUPS, tuple(SETUPS))  # single has no hooks to time
     hooks.set_defaults(func=run_hooks)
     comparer = tools.add_parser(
         "compare",

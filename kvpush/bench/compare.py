@@ -511,16 +511,25 @@ async def _drive(
 # -- command line --------------------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser, default_setups: Sequence[str]) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    default_setups: Sequence[str],
+    choices: Sequence[str] = BENCH_SETUPS,
+) -> None:
     """The setup, port and load options of `kvpush bench compare` and `kvpush bench hooks`."""
-    others = [s for s in BENCH_SETUPS if s not in default_setups]
+    others = [s for s in choices if s not in default_setups]
+    single = (
+        f"; {SINGLE} is one plain vLLM server on the pair's cores, no connector, the load "
+        "sent straight to it"
+        if SINGLE in choices
+        else ""
+    )
     parser.add_argument(
         "--setups",
         default=",".join(default_setups),
         help=f"comma-separated setups (default: {','.join(default_setups)}; also "
-        f"{', '.join(others)}; {SINGLE} is one plain vLLM server on the pair's cores, no "
-        "connector, the load sent straight to it; setups whose connector module is not "
-        "installed are skipped)",
+        f"{', '.join(others)}{single}; setups whose connector module is not installed are "
+        "skipped)",
     )
     parser.add_argument(
         "--port", type=port_number(), default=8000, help="proxy port (default 8000)"
