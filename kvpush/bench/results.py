@@ -267,10 +267,15 @@ def late_count(arrivals: Sequence[float], step: float, steps: float = LATE_STEPS
 def late_tokens(raw: dict[str, Any], engine_step_ms: float | None) -> dict[str, Any]:
     """`late_tokens`: the share of the completed requests' output tokens that reached the
     client more than LATE_STEPS decode steps after they were produced (`late_count`), from
-    `--save-detailed` data; `late_step_ms`: the step used, decode's engine-side mean time
-    between a request's tokens over the run (`engine_step_ms`), or where that was not
-    recorded the median TPOT of the answers that were not sent in one burst; with where it
-    came from. None without per-request data."""
+    `--save-detailed` data; `late_step_ms`: the step used, with where it came from
+    (`late_step_from`). None without per-request data.
+
+    `late_count` needs a step no longer than any real one: with a longer one, a stream
+    whose cadence speeds up (a smaller batch, a core freed) looks as if it had been held
+    back. Decode's mean step over the run (`engine_step_ms`, from its engine's
+    inter-token histogram) is no such bound, so the step is the shorter of it and the
+    fastest cadence the run's streams showed: the 10th percentile of the gaps between a
+    request's chunks at the client, leaving out those under ONE_BURST_MS (coalesced)."""
     none: dict[str, Any] = {"late_tokens": None, "late_step_ms": None, "late_step_from": None}
     ttfts, itls = raw.get("ttfts"), raw.get("itls")
     outputs = raw.get("output_lens")
@@ -283,15 +288,18 @@ def late_tokens(raw: dict[str, Any], engine_step_ms: float | None) -> dict[str, 
         for ttft, gaps, n in zip(ttfts, itls, outputs, strict=True)
         if ttft and isinstance(gaps, list) and n and n > 1
     ]
-    source = "decode engine"
-    step_ms = engine_step_ms if engine_step_ms and engine_step_ms > 0 else None
-    if step_ms is None:
-        source = "client TPOT"
-        step_ms = median(
-            sum(gaps) * 1e3 / (n - 1) for _, gaps, n in done if sum(gaps) * 1e3 >= ONE_BURST_MS
+    gaps_ms = sorted(g * 1e3 for _, gaps, _ in done for g in gaps if g * 1e3 >= ONE_BURST_MS)
+    candidates = [
+        (step, source)
+        for step, source in (
+            (engine_step_ms, "decode engine mean"),
+            (gaps_ms[len(gaps_ms) // 10] if gaps_ms else None, "client gaps p10"),
         )
-    if not done or step_ms is None:
+        if step is not None and step > 0
+    ]
+    if not done or not candidates:
         return none
+    step_ms, source = min(candidates, key=lambda c: c[0])
     total = sum(n for _, _, n in done)
     late = sum(late_count(token_arrivals(t, g, n), step_ms / 1e3) for t, g, n in done)
     return {"late_tokens": late / total, "late_step_ms": step_ms, "late_step_from": source}

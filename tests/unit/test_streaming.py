@@ -51,22 +51,33 @@ def raw(ttfts: list[float], itls: list[list[float]], outputs: list[int]) -> dict
     return {"ttfts": ttfts, "itls": itls, "output_lens": outputs}
 
 
-def test_the_run_share_uses_decodes_engine_step_or_else_the_clients_tpot() -> None:
+def test_the_step_is_the_shorter_of_decodes_mean_and_the_runs_fastest_cadence() -> None:
     steady, burst = [STEP] * 31, []
     data = raw([0.05, 0.3], [steady, burst], [32, 32])
     engine = late_tokens(data, STEP * 1e3)
     assert engine == {
         "late_tokens": 29 / 64,
         "late_step_ms": STEP * 1e3,
-        "late_step_from": "decode engine",
+        "late_step_from": "decode engine mean",
     }
-    client = late_tokens(data, None)  # the burst's TPOT (0) is left out of the median
-    assert client["late_step_from"] == "client TPOT"
+    client = late_tokens(data, None)  # the burst's gaps (none) are left out
+    assert client["late_step_from"] == "client gaps p10"
     assert client["late_step_ms"] == pytest.approx(STEP * 1e3)
     assert client["late_tokens"] == 29 / 64
+    assert late_tokens(data, 3 * STEP * 1e3)["late_step_from"] == "client gaps p10"
     assert late_tokens({"ttfts": [0.1]}, STEP)["late_tokens"] is None  # not --save-detailed
     summary = results.summarise_bench({**data, "completed": 2}, STEP * 1e3)
     assert summary["late_tokens"] == 29 / 64 and summary["one_burst"] is None  # no latencies
+
+
+def test_a_stream_that_speeds_up_is_not_late_though_faster_than_the_mean_step() -> None:
+    # slow steps then fast ones (a batch emptied): the mean step would make the fast ones'
+    # predecessors look held back by up to 10 x (mean - fast)
+    gaps = [2 * STEP] * 15 + [STEP / 2] * 16
+    mean_ms = sum(gaps) / len(gaps) * 1e3
+    assert late_count(stream(gaps), mean_ms / 1e3) > 0  # what the mean alone would claim
+    found = late_tokens(raw([0.05] * 10, [gaps] * 10, [32] * 10), mean_ms)
+    assert found["late_tokens"] == 0 and found["late_step_from"] == "client gaps p10"
 
 
 def test_the_engine_step_comes_from_decodes_inter_token_histogram() -> None:
