@@ -185,7 +185,11 @@ class Tracer:
             self.first.setdefault(role, {})
             for pid, proc in procs.items():
                 self.first[role].setdefault(pid, {**proc, "seconds": 0.0, "threads": {}})
-        self.last = reading
+        for role, procs in reading.items():
+            # merged, not replaced: a process that has exited (the load generator, at the
+            # end of its run) keeps its last reading instead of dropping out of the totals
+            kept = self.last.setdefault(role, {})
+            kept.update((pid, proc) for pid, proc in procs.items() if proc["seconds"] is not None)
         self.samples.append(
             {
                 "t": round(now - self.started, 3),

@@ -4,14 +4,19 @@ front of stub backends, and how a burst is told apart at the proxy and at the cl
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import aiohttp
 
-from kvpush.bench.trace import burst_shares, proxy_chunk_times
+from kvpush.bench.trace import Tracer, burst_shares, proxy_chunk_times
 from kvpush.proxy.config import ProxyConfig
 from kvpush.proxy.rewrite import Backend
 from kvpush.proxy.server import PROXY_KEY, start_proxy
 from kvpush.proxy.stub import StubBackend, StubBehaviour, serve_stub
+from kvpush.testbed.topology import Topology, TopologyConfig
 
 
 def free_port() -> int:
@@ -61,3 +66,19 @@ def test_an_answer_in_one_chunk_and_a_late_done_is_one_burst_at_the_proxy() -> N
     raw = {"ttfts": [0.2, 0.1], "latencies": [0.2, 0.3], "output_lens": [32, 32]}
     shares = burst_shares(raw, [burst, streamed])
     assert shares == {"one_burst_client": 0.5, "one_burst_proxy": 0.5}
+
+
+def test_a_client_that_exits_before_the_run_ends_keeps_its_cpu_seconds(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    topology = Topology(TopologyConfig(model=tmp_path, setup="kvpush-push", workdir=tmp_path))
+    tracer = Tracer(topology, every=0.05)
+    tracer.start()
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    client = subprocess.Popen([sys.executable, "-c", burn])
+    tracer.watch_client(client.pid)
+    client.wait(10)
+    time.sleep(0.2)  # the tracer's last readings come after the client has gone
+    tracer.stop()
+    traced = tracer.result(None, [], [], [])
+    (process,) = traced["cpu"]["client"]
+    assert process["cpu_s"] >= 0.2
