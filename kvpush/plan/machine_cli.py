@@ -48,7 +48,7 @@ side channels from --kv-port. About 2-3 minutes per setup on 2 cores."""
 CHECK_EPILOG = """\
 examples:
   kvpush plan check results/sweep --profile profile.json
-  kvpush plan check tests/data/plan/sweep2 --profile tests/data/plan/profile.json --plot c.png
+  kvpush plan check tests/data/plan/sweep-pinned --profile tests/data/plan/profile.json --plot c.png
 
 error = (predicted - measured) / measured, of the p50 (for the measurement: the median
 over iterations of each ok run's p50; for the prediction: the median over --seeds arrival

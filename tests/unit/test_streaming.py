@@ -17,7 +17,7 @@ from kvpush.bench.results import late_count, late_tokens, token_arrivals
 from kvpush.plan.machine import measured_points
 from kvpush.plan.machine_cli import render_check
 
-SWEEP2 = Path(__file__).parent.parent / "data" / "plan" / "sweep2"
+UNPINNED = Path(__file__).parent.parent / "data" / "bench" / "sweep-unpinned"
 STEP = 0.004  # s
 
 
@@ -95,8 +95,8 @@ def test_the_engine_step_comes_from_decodes_inter_token_histogram() -> None:
 
 
 def test_the_progress_line_table_and_plan_check_show_it() -> None:
-    loaded = results.load_results(SWEEP2)
-    for record in loaded:  # sweep2 predates the metric: give some runs one
+    loaded = results.load_results(UNPINNED)
+    for record in loaded:  # the unpinned sweep predates the metric: give some runs one
         if record["setup"] == "kvpush-push" and record["status"] == "ok":
             record["late_tokens"] = 0.5 if record["rate"] == 4 else 0.1
     record = next(r for r in loaded if r["setup"] == "kvpush-push" and r["rate"] == 4)
