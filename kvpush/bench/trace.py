@@ -1,7 +1,7 @@
 """`kvpush bench sweep --trace`: where the CPU went during a run, and how the answers streamed.
 
 One JSON per run, `OUT/trace/<run>.json`, to test what makes whole answers reach the client
-in one burst (docs/benchmarks.md, "Tracing a run"):
+in one burst (docs/benchmarks.md, "Why answers came in one burst"):
 
 - `cpu`: CPU seconds over the run of every process of every server (API server, engine
   core, ...; the top threads of each by name), of the load generator and of the proxy's
