@@ -19,7 +19,7 @@ BASE = ("msgpack", "numpy")
 EXTRAS: dict[str, tuple[str, ...]] = {
     "proxy": ("aiohttp", "prometheus_client", "uvloop"),
     "testbed": ("transformers", "tokenizers"),
-    "bench": ("matplotlib",),
+    "bench": ("matplotlib", "psutil"),
 }
 # Used when present, so never asked for before a command runs.
 OPTIONAL = ("uvloop",)

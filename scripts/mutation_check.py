@@ -106,6 +106,29 @@ MUTATIONS = (
         "if False:",
         (NODE_PARTS,),
     ),
+    Mutation(
+        "starts-without-a-secret",  # fail closed: no secret and no `insecure: true`
+        "kvpush/node/config.py",
+        "if secret is None and not insecure and require_secret:",
+        "if False:",
+        ("tests/unit/test_config_security.py",),
+    ),
+    Mutation(
+        "greeting-never-times-out",  # a silent connection would hold its slot forever
+        "kvpush/dataplane/control.py",
+        "if conn.deadline > now:",
+        "if True:",
+        ("tests/unit/test_control_bounds.py",),
+    ),
+    Mutation(
+        "client-proof-unchecked",  # anyone could talk without the secret
+        "kvpush/dataplane/control.py",
+        """            if not hmac.compare_digest(
+                theirs, proof(self.secret, "client", conn.nonce, conn.peer_nonce)
+            ):""",
+        """            if False:""",
+        ("tests/unit/test_control.py", "tests/unit/test_control_bounds.py"),
+    ),
 )
 
 

@@ -29,7 +29,7 @@ from kvpush.args import (
     positive_list,
     positive_numbers,
 )
-from kvpush.bench import compare, plot, results, sweep
+from kvpush.bench import compare, plot, results, soak, sweep, turns
 from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.pinning import NO_PIN_HELP
@@ -98,6 +98,8 @@ def register(subparsers: Any) -> None:
         "stdout instead of the table",
     )
     plotter.set_defaults(func=run_plot)
+    soak.register(tools)
+    turns.register(tools)
 
 
 BENCH_EPILOG = """examples:

@@ -74,6 +74,7 @@ class RequestResult:
     tpot_s: float | None = None
     error: str | None = None
     timed_out: bool = False
+    prompt_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -176,6 +177,53 @@ def make_prompts(
                 break
         prompts.append(" ".join(chosen))
     return prompts
+
+
+def add_pair_options(parser: argparse.ArgumentParser) -> None:
+    """The pair's ports, work directory, model and start-up deadline (`kvpush bench soak`,
+    `kvpush bench turns`); read back with `bench_model` and `pair_settings`."""
+    parser.add_argument("--port", type=port_number(), default=8000, help="proxy port")
+    parser.add_argument("--kv-port", type=port_number(), default=5600, help="first kvpush port")
+    parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
+    parser.add_argument(
+        "--model", type=Path, default=None,
+        help="model directory (default: the tiny model, built under WORKDIR/models/tiny)",
+    )  # fmt: skip
+    parser.add_argument("--startup-timeout", type=positive(), default=300.0)
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help=NO_PIN_HELP)
+
+
+def bench_model(args: argparse.Namespace) -> Path:
+    """--model if given (it must hold a model: ValueError), else the tiny model under
+    WORKDIR/models/tiny, built on first use (OSError if WORKDIR cannot be written)."""
+    if args.model is not None:
+        if not (args.model / "tokenizer.json").exists():
+            raise ValueError(f"--model {args.model} holds no model (no tokenizer.json)")
+        return Path(args.model)
+    model = Path(args.workdir) / "models" / "tiny"
+    ensure_tiny_model(model, TinyModelSpec())
+    return model
+
+
+def model_prompts(model: Path, count: int, input_len: int, seed: int) -> list[str]:
+    """`make_prompts` with lengths counted by `model`'s own tokenizer."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return make_prompts(count, input_len, seed, lambda text: len(tokenizer.encode(text).ids))
+
+
+def pair_settings(model: Path, args: argparse.Namespace) -> PairSettings:
+    """The 1P1D pair from the --workdir, --port, --kv-port, --startup-timeout and --no-pin
+    options."""
+    return PairSettings(
+        model,
+        workdir=args.workdir,
+        port=args.port,
+        kv_port=args.kv_port,
+        startup_timeout=args.startup_timeout,
+        pin=args.pin,
+    )
 
 
 def failure_reason(results: Sequence[RequestResult], total: int) -> tuple[str, str]:
@@ -336,18 +384,24 @@ async def run_load(
 
 
 async def stream_completion(
-    session: Any, url: str, body: dict[str, Any], index: int, timeout: float
+    session: Any,
+    url: str,
+    body: dict[str, Any],
+    index: int,
+    timeout: float,
+    path: str = "/v1/completions",
 ) -> RequestResult:
-    """One streaming completion with a deadline; never raises for a failed request."""
+    """One streaming completion (or, with `path` /v1/chat/completions, chat completion)
+    with a deadline; never raises for a failed request."""
     import aiohttp
 
     started = time.perf_counter()
     token_times: list[float] = []
     pieces: list[str] = []
-    usage_tokens: int | None = None
+    usage: dict[str, Any] = {}
     try:
         async with asyncio.timeout(timeout):
-            async with session.post(url + "/v1/completions", json=body) as resp:
+            async with session.post(url + path, json=body) as resp:
                 if resp.status != 200:
                     detail = (await resp.text(errors="replace"))[:300]
                     return RequestResult(index, error=f"HTTP {resp.status}: {detail}")
@@ -357,23 +411,31 @@ async def stream_completion(
                         continue
                     if "error" in event:
                         return RequestResult(index, error=f"in-stream error: {event['error']}")
-                    if event.get("usage"):
-                        usage_tokens = event["usage"].get("completion_tokens")
+                    usage = event.get("usage") or usage
                     choices = event.get("choices") or []
-                    if choices:
-                        token_times.append(time.perf_counter())
-                        pieces.append("".join(c.get("text") or "" for c in choices))
+                    if not choices:
+                        continue
+                    if "text" in choices[0]:
+                        texts = [c.get("text") or "" for c in choices]
+                    else:  # chat: a delta; the first one may carry the role only
+                        texts = [(c.get("delta") or {}).get("content") or "" for c in choices]
+                        if not any(texts):
+                            continue
+                    token_times.append(time.perf_counter())
+                    pieces.append("".join(texts))
     except TimeoutError:
         return RequestResult(
             index, error=f"no complete answer within {timeout:g} s", timed_out=True
         )
     except (aiohttp.ClientError, ValueError) as exc:
         return RequestResult(index, error=f"{type(exc).__name__}: {exc}")
-    tokens = usage_tokens if usage_tokens is not None else len(token_times)
+    counted = usage.get("completion_tokens")
+    tokens = counted if counted is not None else len(token_times)
     ttft, tpot = token_timing(started, token_times, tokens)
     if ttft is None:
         return RequestResult(index, error="the stream ended without a token")
-    return RequestResult(index, "".join(pieces), tokens, ttft, tpot)
+    prompt = int(usage.get("prompt_tokens") or 0)
+    return RequestResult(index, "".join(pieces), tokens, ttft, tpot, prompt_tokens=prompt)
 
 
 # -- one setup -----------------------------------------------------------------------------
@@ -603,20 +665,8 @@ def run_all(
         why = cannot_write(exc, model)
         print(f"{args.prog}: {why}; give a --workdir you can write", file=sys.stderr)
         return 2
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    prompts = make_prompts(
-        load.requests, load.input_len, load.seed, lambda text: len(tokenizer.encode(text).ids)
-    )
-    pair = PairSettings(
-        model,
-        workdir=args.workdir,
-        port=args.port,
-        kv_port=args.kv_port,
-        startup_timeout=args.startup_timeout,
-        pin=args.pin,
-    )
+    prompts = model_prompts(model, load.requests, load.input_len, load.seed)
+    pair = pair_settings(model, args)
     reports = [run_setup(setup, pair, load, prompts, timed_hooks, label) for setup in setups]
     print(f"\nkvpush {label}: done in {time.monotonic() - started:.0f} s\n")
     return reports, load

@@ -29,6 +29,7 @@ from kvpush.core.rendezvous import (
     Rendezvous,
     StartWrite,
 )
+from kvpush.dataplane.control import ControlClient
 from kvpush.dataplane.transport import TransferError
 from kvpush.node.context import Context
 from kvpush.node.inbox import ConnectionClosed, Registered
@@ -115,6 +116,8 @@ class PushWriter(PeerLoop[StartWrite]):
                 # no prefill will feed the fan: later registrations meet its tombstone
                 self._close_unfed(item.transfer_id)
                 self.act(self.rendezvous.abort_local(item.transfer_id, item.request_id, why, now))
+        elif isinstance(item, _Announced):
+            self._announced(item, now)
         elif isinstance(item, PeerReady):
             peer = item.peer
             for start in self.peers.ready(peer):
@@ -321,12 +324,33 @@ class PushWriter(PeerLoop[StartWrite]):
         ident = self.ctx.identity
         transfer_id = split_leg(reg.transfer_id)[0]
         done = WriteDone(transfer_id, reg.generation, ident.tp_rank, ident.tp_size, True, "")
+        # Telling decode may mean reconnecting: on the message pool, never on this thread,
+        # so one slow decode does not hold up every other transfer.
+        self.peers.submit(self._announce, start, peer.client, done)
+
+    def _announce(self, start: StartWrite, client: ControlClient, done: WriteDone) -> None:
+        """Message pool: send `done`; the writer thread settles the transfer either way."""
+        error = ""
         try:
-            peer.client.send(done)
+            client.send(done)
         except (ConnectionError, OSError) as exc:
-            self._fail_start(start, f"decode unreachable after the WRITE: {exc}", "peer_gone")
+            error = f"decode unreachable after the WRITE: {exc}"
+        self.enqueue(_Announced(start, error))
+
+    def _announced(self, item: _Announced, now: float) -> None:
+        if item.error:
+            self._fail_start(item.start, item.error, "peer_gone")
             return
+        reg = item.start.registration
         self.act(self.rendezvous.write_finished(reg.transfer_id, reg.generation, True, "", now))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Announced:
+    """Message pool -> writer thread: decode was told a WRITE finished, or could not be."""
+
+    start: StartWrite
+    error: str
 
 
 # Rendezvous counters that are failures, and the `failures{kind}` they are exported as.

@@ -9,8 +9,10 @@ starts, so that importing this module stays cheap (`kvpush --help` imports every
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvpush.testbed.pinning import confined
 from kvpush.testbed.topology import SETUPS, StartupError, Topology
 
 if TYPE_CHECKING:
@@ -39,6 +41,34 @@ async def start_topology_proxy(topology: Topology, port: int, **settings: Any) -
     from kvpush.proxy.server import start_proxy
 
     return await start_proxy(topology_proxy_config(topology, **settings), "127.0.0.1", port)
+
+
+T = TypeVar("T")
+
+
+async def with_warm_proxy(
+    topology: Topology,
+    port: int,
+    work: Callable[[str], Awaitable[T]],
+    **settings: Any,
+) -> T:
+    """Start the proxy for `topology`, warm the pair up through it, run `work(url)` and
+    stop the proxy; a port that cannot be bound or a failed warm-up is a StartupError.
+    The calling thread (the proxy's and the work's event loop) runs meanwhile on the cores
+    no server has, if there are any (`Topology.client_cores`)."""
+    with confined(topology.client_cores):
+        try:
+            runner = await start_topology_proxy(topology, port, **settings)
+        except OSError as exc:
+            raise cannot_listen(port, exc) from None
+        url = local_url(port)
+        try:
+            error = await warm_up(url, str(topology.config.model))
+            if error:
+                raise StartupError(f"warm-up through the proxy failed: {error}")
+            return await work(url)
+        finally:
+            await runner.cleanup()
 
 
 def cannot_listen(port: int, exc: OSError) -> StartupError:

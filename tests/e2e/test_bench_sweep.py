@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvpush.bench import results
 from kvpush.bench.sweep import delta_total
 from tests.e2e.conftest import BASE_PORT, KV_PORT, ports_free
 
+pytestmark = pytest.mark.e2e
 PORT, KV = BASE_PORT + 40, KV_PORT + 40  # clear of the other e2e deployments
 PROMPTS = 6
 

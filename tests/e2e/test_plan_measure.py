@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvpush.plan.machine import derive, load_profile, sim_params
 from kvpush.plan.simulate import simulate
 from tests.e2e.conftest import BASE_PORT, KV_PORT, ports_free
 
+pytestmark = pytest.mark.e2e
 PORT, KV = BASE_PORT + 60, KV_PORT + 60  # clear of the other e2e deployments
 
 

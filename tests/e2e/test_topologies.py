@@ -1,7 +1,7 @@
 """Heterogeneous P/D topologies with real vLLM servers, both kvpush modes.
 
-Each case is one `kvpush up` command line (as a user starts it) per mode, next to a plain
-vLLM server as the reference:
+Each case is one `kvpush up` command line (as a user starts it) per mode, one deployment
+at a time, next to a plain vLLM server as the reference:
 
 - tp1-to-tp2: prefill TP 1 with 32-token blocks -> decode TP 2 with 64-token blocks (one
   prefill rank writes both decode ranks, each its own heads; block sizes differ);
@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import urllib.error
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,12 @@ pytestmark = pytest.mark.e2e
 MODEL = TinyModelSpec(heads=8, kv_heads=4, head_dim=64, dtype="float32")
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
 SUCCESS = "vllm:request_success_total"
+
+
+# vLLM's CPU backend runs a float32 checkpoint in bfloat16 unless told so; in bfloat16 a TP
+# 2 server's split sums round differently from one server's, enough to flip a random-weight
+# model's flat logits. Every server here (the reference too) runs float32.
+FP32 = ("--dtype", "float32")
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         port=REFERENCE_PORT,
         eager=True,
         workdir=tmp_path_factory.mktemp("reference"),
+        extra_vllm_args=list(FP32),
     )
     with Topology(config, cores=[0]) as single:
         single.start()
@@ -124,39 +132,62 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 @dataclass
 class Running:
     case: Case
-    deployments: dict[str, Deployment]
-    started_s: dict[str, float]
+    setup: str
+    deployment: Deployment
+    started_s: float
+    work: Path
+
+    def ask(self, body: dict[str, Any]) -> Any:
+        """A completion through the proxy; a refusal fails naming the proxy's answer and
+        what the servers logged about kvpush or errors."""
+        try:
+            return post(self.deployment.proxy + "/v1/completions", body)
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            raise AssertionError(
+                f"{self.setup}: HTTP {exc.code} {detail}\n{log_excerpt(self.work)}"
+            ) from None
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=str)
+def log_excerpt(workdir: Path, lines: int = 40) -> str:
+    """The last kvpush and error lines of every server log under `workdir`."""
+    parts = []
+    for log in sorted(workdir.glob("**/logs/*.log")):
+        text = log.read_text(errors="replace").splitlines()
+        hits = [t for t in text if "kvpush" in t.lower() or "ERROR" in t or "Error" in t]
+        parts.append(f"--- {log.name}\n" + "\n".join(t[:300] for t in hits[-lines:]))
+    return "\n".join(parts)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(name, setup) for name in CASES for setup in MODES],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def running(
     request: pytest.FixtureRequest,
     model: Path,
     reference: dict[str, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Running]:
-    name = request.param
+    """One deployment at a time: the cases overlap cores already (TP 2 on 2 cores)."""
+    name, setup = request.param
     if name not in chosen():
         pytest.skip(f"{name} runs with KVPUSH_TOPOLOGIES=all (or ={name})")
     case = CASES[name]
-    work = tmp_path_factory.mktemp(name)
-    deployments: dict[str, Deployment] = {}
+    work = tmp_path_factory.mktemp(f"{name}-{setup}")
+    slot = 4 * list(CASES).index(name) + 2 * MODES.index(setup)
+    deployment = launch(
+        setup, model, work, *case.args, f"--vllm-args={' '.join(FP32)}",
+        port=REFERENCE_PORT + 1 + slot,
+        kv_port=KV_PORT + 400 + 8 * slot, kv_ports=case.workers,
+    )  # fmt: skip
     try:
-        for index, setup in enumerate(MODES):
-            slot = 4 * list(CASES).index(name) + 2 * index
-            deployments[setup] = launch(
-                setup, model, work / setup, *case.args, port=REFERENCE_PORT + 1 + slot,
-                kv_port=KV_PORT + 400 + 8 * slot, kv_ports=case.workers,
-            )  # fmt: skip
-        for deployment in deployments.values():
-            wait_ready(deployment, timeout=600)
-        started = {setup: healthy_after(d) for setup, d in deployments.items()}
-        yield Running(case, deployments, started)
+        wait_ready(deployment, timeout=600)
+        yield Running(case, setup, deployment, healthy_after(deployment), work)
     finally:
-        for deployment in deployments.values():
-            deployment.stop()
-    for deployment in deployments.values():
-        assert ports_free(deployment.ports), f"{name}: ports still bound {deployment.ports}"
+        deployment.stop()
+    assert ports_free(deployment.ports), f"{name}: ports still bound {deployment.ports}"
 
 
 def healthy_after(deployment: Deployment) -> float:
@@ -181,30 +212,28 @@ def totals(urls: list[str], name: str, **labels: str) -> list[float]:
     return [scrape.total(scrape.scrape(url), name, **labels) for url in urls]
 
 
-@pytest.mark.parametrize("setup", MODES)
 def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
-    running: Running, model: Path, reference: dict[str, str], setup: str
+    running: Running, model: Path, reference: dict[str, str]
 ) -> None:
-    deployment, case = running.deployments[setup], running.case
+    deployment, case, setup = running.deployment, running.case, running.setup
     decodes = decode_urls(deployment, case)
     for prompt in PROMPTS:
         before = sum(totals(decodes, EXTERNAL, source="external_kv_transfer"))
-        answer = post(deployment.proxy + "/v1/completions", completion(model, prompt))
+        answer = running.ask(completion(model, prompt))
         assert answer["choices"][0]["text"] == reference[prompt], (setup, prompt)
         moved = sum(totals(decodes, EXTERNAL, source="external_kv_transfer")) - before
         assert moved == answer["usage"]["prompt_tokens"], (setup, prompt)
     for url in [*prefill_urls(deployment, case), *decodes]:
         assert scrape.total(scrape.scrape(url), "kvpush:failures_total") == 0, url
-    print(f"\n{setup} {case.args}: healthy {running.started_s[setup]:.0f} s after launch")
+    print(f"\n{setup} {case.args}: healthy {running.started_s:.0f} s after launch")
 
 
-@pytest.mark.parametrize("setup", MODES)
 def test_a_burst_is_answered_right_and_reaches_every_decode_engine(
-    running: Running, model: Path, reference: dict[str, str], setup: str
+    running: Running, model: Path, reference: dict[str, str]
 ) -> None:
     """2 decodes: the proxy's load-aware choice spreads a burst over both; DP 2: vLLM's
     front end spreads it over both engines (each counts its own requests)."""
-    deployment, case = running.deployments[setup], running.case
+    deployment, case, setup = running.deployment, running.case, running.setup
     decodes = decode_urls(deployment, case)
     engines = 2 if "--decode-dp" in case.args else 1
     if case.decodes == 1 and engines == 1:
@@ -215,7 +244,7 @@ def test_a_burst_is_answered_right_and_reaches_every_decode_engine(
     with ThreadPoolExecutor(BURST) as pool:
         answers = list(
             pool.map(
-                lambda p: post(deployment.proxy + "/v1/completions", completion(model, p)),
+                lambda p: running.ask(completion(model, p)),
                 prompts,
             )
         )

@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl)")
 
+from kvpush.core.protocol import grant  # noqa: E402
 from kvpush.node.config import KvpushConfig  # noqa: E402
 from kvpush.node.context import Identity  # noqa: E402
 from kvpush.node.specs import RecvSpec, SendSpec  # noqa: E402
@@ -30,6 +31,7 @@ from tests.node_kv import KVMemory, free_port  # noqa: E402
 LAYERS, BLOCKS, UNIT = 2, 16, 128
 NUM_TOKENS = 13
 LEASE_S = 30.0  # a rank that waited out its lease would fail the "promptly" bound
+SECRET = b"topologies-secret"  # as every deployment runs: proofs, MACs, bound registrations
 
 
 def shard(rank: int, tp: int, total_heads: int) -> list[int]:
@@ -85,7 +87,7 @@ def instance() -> Iterator[object]:
         for rank in only or range(tp):
             heads = shard(rank, tp, total_heads)
             worker = WorkerSide(
-                KvpushConfig(mode=mode, port=port, **settings),  # type: ignore[arg-type]
+                KvpushConfig(mode=mode, port=port, secret=SECRET, **settings),  # type: ignore[arg-type]
                 Identity(f"{role}-0", role, "tiny", rank, tp),
             )
             kv = KVMemory.make(LAYERS, BLOCKS, len(heads), block_size, UNIT, total_heads, None)
@@ -111,6 +113,8 @@ def recv_spec(prefill: Rank, prefill_tp: int, blocks: tuple[int, ...]) -> RecvSp
         generation=0,
         remote_block_ids=PREFILL_BLOCKS,
         remote_num_tokens=NUM_TOKENS,
+        remote_engine_id="prefill-0",
+        remote_grant=grant(SECRET, "prefill-0", "t1", PREFILL_BLOCKS, NUM_TOKENS, prefill_tp),
     )
 
 
@@ -168,6 +172,8 @@ def test_every_decode_rank_gets_its_heads_and_every_prefill_rank_frees_its_block
         generation=0,
         remote_block_ids=prefill_blocks,
         remote_num_tokens=NUM_TOKENS,
+        remote_engine_id="prefill-0",
+        remote_grant=grant(SECRET, "prefill-0", "t1", prefill_blocks, NUM_TOKENS, prefill_tp),
     )
     first, second = (prefills, decodes) if prefill_first else (decodes, prefills)
     for rank in first:
