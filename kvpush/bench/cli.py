@@ -32,7 +32,14 @@ from kvpush.args import (
 from kvpush.bench import compare, plot, results, soak, sweep, turns
 from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
-from kvpush.testbed.topology import MAIN_SETUPS, SETUPS, PairSettings
+from kvpush.testbed.pinning import NO_PIN_HELP
+from kvpush.testbed.topology import (
+    BENCH_SETUPS,
+    MAIN_SETUPS,
+    SETUPS,
+    SWEEP_SETUPS,
+    PairSettings,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -51,7 +58,7 @@ def register(subparsers: Any) -> None:
         epilog=HOOKS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    compare.add_arguments(hooks)
+    compare.add_arguments(hooks, MAIN_SETUPS, tuple(SETUPS))  # single has no hooks to time
     hooks.set_defaults(func=run_hooks)
     comparer = tools.add_parser(
         "compare",
@@ -60,7 +67,7 @@ def register(subparsers: Any) -> None:
         epilog=COMPARE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    compare.add_arguments(comparer)
+    compare.add_arguments(comparer, SWEEP_SETUPS)
     comparer.set_defaults(func=compare.run)
     sweeper = tools.add_parser(
         "sweep",
@@ -119,9 +126,10 @@ SWEEP_EPILOG = """example (about 40 minutes here):
       --input-lens 256,1024 --output-len 32 --num-prompts 48 --iterations 3 --out results/sweep
   kvpush bench plot results/sweep
 
-setups: {}
+setups: {} ({}: one plain vLLM server on the pair's cores, no connector, the load sent
+straight to it: what not disaggregating costs or saves)
 Interrupt it at any time: run the same command again and it resumes.
-""".format(", ".join(SETUPS))
+""".format(", ".join(BENCH_SETUPS), SWEEP_SETUPS[-1])
 
 
 def add_sweep_arguments(
@@ -129,7 +137,7 @@ def add_sweep_arguments(
 ) -> None:
     """The sweep's options; `defaults` overrides some (the demo's smaller sweep)."""
     d: dict[str, Any] = {
-        "setups": ",".join(MAIN_SETUPS),
+        "setups": ",".join(SWEEP_SETUPS),
         "rates": "2,4,8",
         "input_lens": "256,1024",
         "output_len": 32,
@@ -217,9 +225,24 @@ def add_sweep_arguments(
     )
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help=NO_PIN_HELP + "; recorded in each result file",
+    )
+    parser.add_argument(
         "--retry-failed",
         action="store_true",
         help="on resume, also redo runs that stalled, failed or did not start",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="also write OUT/trace/<run>.json per run: CPU seconds of every process and busy "
+        "thread of each server, of the load generator and of the proxy (over the run and "
+        "every 0.5 s), each server's engine steps per second while requests wait and while "
+        "they run (from the hook timer, which --trace turns on), when each streamed chunk "
+        "reached the client, and every thread's CPU affinity (docs/benchmarks.md)",
     )
     parser.add_argument("--no-plot", action="store_true", help="skip the plot and table at the end")
 
@@ -247,11 +270,13 @@ def sweep_spec(args: argparse.Namespace) -> sweep.SweepSpec:
             kv_cache_gib=args.kv_cache_gib,
             prefix_caching=args.prefix_caching,
             startup_timeout=args.startup_timeout,
+            pin=args.pin,
         ),
         seed=args.seed,
         request_timeout=args.request_timeout,
         run_timeout=args.run_timeout,
         retry_failed=args.retry_failed,
+        trace=args.trace,
     )
 
 

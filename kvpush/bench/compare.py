@@ -32,9 +32,11 @@ from kvpush.args import at_least, cannot_write, port_number, positive
 from kvpush.bench.timed import read_ledgers
 from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_corpus
+from kvpush.testbed.pinning import NO_PIN_HELP, confined
 from kvpush.testbed.topology import (
+    BENCH_SETUPS,
     MAIN_SETUPS,
-    SETUPS,
+    SINGLE,
     PairSettings,
     StartupError,
     StartupProgress,
@@ -188,6 +190,7 @@ def add_pair_options(parser: argparse.ArgumentParser) -> None:
         help="model directory (default: the tiny model, built under WORKDIR/models/tiny)",
     )  # fmt: skip
     parser.add_argument("--startup-timeout", type=positive(), default=300.0)
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help=NO_PIN_HELP)
 
 
 def bench_model(args: argparse.Namespace) -> Path:
@@ -211,13 +214,15 @@ def model_prompts(model: Path, count: int, input_len: int, seed: int) -> list[st
 
 
 def pair_settings(model: Path, args: argparse.Namespace) -> PairSettings:
-    """The 1P1D pair from the --workdir, --port, --kv-port and --startup-timeout options."""
+    """The 1P1D pair from the --workdir, --port, --kv-port, --startup-timeout and --no-pin
+    options."""
     return PairSettings(
         model,
         workdir=args.workdir,
         port=args.port,
         kv_port=args.kv_port,
         startup_timeout=args.startup_timeout,
+        pin=args.pin,
     )
 
 
@@ -323,9 +328,9 @@ def root_cause(log: str) -> str:
     return lines[-1][:300] if lines else "(empty log)"
 
 
-def setups_to_run(requested: str | None) -> list[str]:
+def setups_to_run(requested: str | None, default: Sequence[str] = MAIN_SETUPS) -> list[str]:
     """The setups to run, in order; raises ValueError naming an unknown one."""
-    names = [n.strip() for n in (requested or ",".join(MAIN_SETUPS)).split(",") if n.strip()]
+    names = [n.strip() for n in (requested or ",".join(default)).split(",") if n.strip()]
     check_setups(names)
     return names
 
@@ -445,22 +450,32 @@ def run_setup(
     label: str = "compare",
 ) -> SetupReport:
     try:
-        resolve_setup(setup)
+        if setup != SINGLE:
+            resolve_setup(setup)
     except ValueError as exc:
         print(f"\n== {setup}: skipped ({exc})", flush=True)
         return SetupReport(setup, "skipped", str(exc))
-    print(f"\n== {setup}: starting 1 prefill + 1 decode (eager mode)", flush=True)
+    servers = "one plain server" if setup == SINGLE else "1 prefill + 1 decode"
+    print(f"\n== {setup}: starting {servers} (eager mode)", flush=True)
     config = pair.topology(setup, label, timed_hooks)
     topology = Topology(config)
+    pinning = topology.pinning()
     for spec in topology.specs:
-        print(f"  [{setup}] {spec.name} on {spec.url}, log {spec.log_path}", flush=True)
+        cores = pinning["servers"][spec.name]
+        print(
+            f"  [{setup}] {spec.name} on {spec.url}, cores {cores['cores']} "
+            f"({cores['confined']}), log {spec.log_path}",
+            flush=True,
+        )
+    print(f"  [{setup}] proxy and client: {pinning['proxy_and_client']}", flush=True)
     try:
         topology.start()
         took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))
         print(f"  [{setup}] servers healthy after {took:.0f} s", flush=True)
-        report = asyncio.run(_drive(topology, setup, pair.port, load, prompts))
+        with confined(topology.client_cores):
+            report = asyncio.run(_drive(topology, setup, pair.port, load, prompts))
         report.startup_s = took
-        if timed_hooks:
+        if config.timed_hooks:  # not for single, which has no connector
             time.sleep(1.0)  # the ledgers are written every half second
             report.hooks = {
                 spec.name: read_ledgers(hook_dir(config, spec.name)) for spec in topology.specs
@@ -493,16 +508,20 @@ async def _drive(
 ) -> SetupReport:
     import aiohttp
 
-    try:
-        runner = await start_topology_proxy(
-            topology,
-            port,
-            # Later than the client's deadline, so a stall shows as the client's timeout.
-            request_timeout=load.request_timeout + 10,
-        )
-    except OSError as exc:
-        raise cannot_listen(port, exc) from None
-    url = local_url(port)
+    runner: Any = None
+    if topology.config.setup is None:  # single: straight to the server, as in a sweep
+        url = topology.specs[0].url
+    else:
+        try:
+            runner = await start_topology_proxy(
+                topology,
+                port,
+                # Later than the client's deadline, so a stall shows as the client's timeout.
+                request_timeout=load.request_timeout + 10,
+            )
+        except OSError as exc:
+            raise cannot_listen(port, exc) from None
+        url = local_url(port)
     model = str(topology.config.model)
     try:
         error = await warm_up(url, model)
@@ -543,7 +562,8 @@ async def _drive(
     except StartupError as exc:
         return SetupReport(setup, "failed", f"a server died: {str(exc).splitlines()[0]}")
     finally:
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()
     failures = [r for r in results if not r.ok]
     if not failures:
         return SetupReport(setup, "ok", results=results)
@@ -553,14 +573,25 @@ async def _drive(
 # -- command line --------------------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    default_setups: Sequence[str],
+    choices: Sequence[str] = BENCH_SETUPS,
+) -> None:
     """The setup, port and load options of `kvpush bench compare` and `kvpush bench hooks`."""
+    others = [s for s in choices if s not in default_setups]
+    single = (
+        f"; {SINGLE} is one plain vLLM server on the pair's cores, no connector, the load "
+        "sent straight to it"
+        if SINGLE in choices
+        else ""
+    )
     parser.add_argument(
         "--setups",
-        default=None,
-        help=f"comma-separated setups (default: {','.join(MAIN_SETUPS)}; also "
-        f"{', '.join(s for s in SETUPS if s not in MAIN_SETUPS)}; those whose connector "
-        "module is not installed are skipped)",
+        default=",".join(default_setups),
+        help=f"comma-separated setups (default: {','.join(default_setups)}; also "
+        f"{', '.join(others)}{single}; setups whose connector module is not installed are "
+        "skipped)",
     )
     parser.add_argument(
         "--port", type=port_number(), default=8000, help="proxy port (default 8000)"
@@ -592,6 +623,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--startup-timeout", type=positive(), default=300.0)
     parser.add_argument("--seed", type=int, default=defaults.seed, help="prompt RNG seed")
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help=NO_PIN_HELP)
 
 
 def run(args: argparse.Namespace) -> int:

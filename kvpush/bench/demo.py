@@ -3,7 +3,8 @@
 It builds the tiny model if needed, then runs `kvpush bench sweep` with a grid small enough
 for about 10 minutes on a 2-core machine: each connector setup as shipped (vLLM's pull and
 push, kvpush's push and pull) plus vLLM's pull with NIXL's progress thread paced
-(`vllm-pull-nospin`, to separate the spin from the design), at 256-token prompts, a light
+(`vllm-pull-nospin`, to separate the spin from the design) and one plain vLLM server on
+the pair's cores (`single`, not disaggregating at all), at 256-token prompts, a light
 (0.5 req/s) and a heavy (4 req/s) load, `vllm bench serve` with 10 prompts per point and a
 30 s deadline per request; then it prints the ratio table and writes the figure. Every
 option of `kvpush bench sweep` can change the grid.
@@ -24,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench import cli as bench_cli
-from kvpush.testbed.topology import MAIN_SETUPS
+from kvpush.testbed.topology import MAIN_SETUPS, SINGLE
 
 DEMO = {
-    "setups": ",".join((*MAIN_SETUPS, "vllm-pull-nospin")),
+    "setups": ",".join((*MAIN_SETUPS, "vllm-pull-nospin", SINGLE)),
     "rates": "0.5,4",
     "input_lens": "256",
     "output_len": 32,

@@ -9,23 +9,27 @@ dashed), medians over iterations. Every setup in the legend has a line or says w
   measurement and cannot sit on a log axis, so it is a triangle on the panel's bottom edge.
 The table gives each setup's TTFT and TPOT as a ratio to the best of vLLM's connectors at
 that point (below 1: better than vLLM's best); when the sweep has `*-nospin` setups, a
-second ratio compares with the best of those. Every mark in the table is explained under
-it. `table_csv` gives the same table as CSV, with plain numbers and the marks as columns.
+second ratio compares with the best of those, and when it has `single` (one plain server,
+not disaggregated), a third with that. It shows how well each setup's answers streamed:
+the share sent in one burst and the share of tokens that arrived late. Every mark in the
+table is explained under it. `table_csv` gives the same table as CSV, with plain numbers
+and the marks as columns.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvpush.bench.results import Aggregate
+from kvpush.bench.results import LATE_STEPS, Aggregate
 from kvpush.report import format_table
 
 SHIPPED = ("vllm-pull", "vllm-push")
+SINGLE = "single"  # kvpush.testbed.topology.SINGLE, not imported: plotting needs no testbed
 METRICS = ("ttft_p50", "tpot_p50")
 
 # Below this a p50 (ms) is no measurement of the setup but of the client: the stream's
@@ -51,9 +55,31 @@ def is_vllm(setup: str) -> bool:
     return setup.startswith("vllm-")
 
 
-def line_style(setup: str) -> Literal["-", ":"]:
-    """Solid for a setup as shipped, dotted for a vllm-*-nospin one."""
+def line_style(setup: str) -> Literal["-", ":", "-."]:
+    """Solid for a setup as shipped, dotted for a vllm-*-nospin one, dash-dot for single."""
+    if setup == SINGLE:
+        return "-."
     return ":" if setup.endswith("-nospin") else "-"
+
+
+def _shipped_vllm(setup: str) -> bool:
+    return is_vllm(setup) and not setup.endswith("-nospin")
+
+
+def _nospin(setup: str) -> bool:
+    return is_vllm(setup) and setup.endswith("-nospin")
+
+
+def _single(setup: str) -> bool:
+    return setup == SINGLE
+
+
+# The references a ratio column can be taken against: which setups are candidates.
+REFERENCES: dict[str, Callable[[str], bool]] = {
+    "vLLM": _shipped_vllm,
+    "nospin": _nospin,
+    "single": _single,
+}
 
 
 def coalesced(value: float | None) -> bool:
@@ -68,19 +94,14 @@ class Reference:
     shaky: bool
 
 
-def best(rows: Sequence[Aggregate], metric: str, nospin: bool) -> Reference:
-    """The lowest `metric` among vLLM's setups (shipped, or nospin ones).
+def best(rows: Sequence[Aggregate], metric: str, kind: str) -> Reference:
+    """The lowest `metric` among the setups of a `REFERENCES` kind: vLLM's as shipped
+    ("vLLM"), its nospin ones ("nospin"), or the single server ("single").
 
     Setups whose runs were all ok come first; only when none was are the numbers of the
     others used (their ok runs, or the requests that finished).
     """
-    candidates = [
-        r
-        for r in rows
-        if is_vllm(r.setup)
-        and r.setup.endswith("-nospin") == nospin
-        and getattr(r, metric) is not None
-    ]
+    candidates = [r for r in rows if REFERENCES[kind](r.setup) and getattr(r, metric) is not None]
     ok = [getattr(r, metric) for r in candidates if r.status == "ok"]
     if ok:
         return Reference(min(ok), False)
@@ -114,16 +135,13 @@ class Line:
     ratios: dict[str, Ratio]
 
 
-def ratio_columns(rows: Sequence[Aggregate]) -> list[tuple[str, str, bool]]:
-    """(column, metric, against nospin) for each ratio column the table has."""
-    kinds = [("vLLM", False)]
-    if any(r.setup.endswith("-nospin") for r in rows):
-        kinds.append(("nospin", True))
-    return [
-        (f"{metric[:4].upper()}/{name}", metric, nospin)
-        for name, nospin in kinds
-        for metric in METRICS
+def ratio_columns(rows: Sequence[Aggregate]) -> list[tuple[str, str, str]]:
+    """(column, metric, reference kind) for each ratio column the table has: against vLLM,
+    and against the nospin setups and the single server where the sweep has them."""
+    kinds = ["vLLM"] + [
+        kind for kind in ("nospin", "single") if any(REFERENCES[kind](r.setup) for r in rows)
     ]
+    return [(f"{metric[:4].upper()}/{kind}", metric, kind) for kind in kinds for metric in METRICS]
 
 
 def lines(rows: Sequence[Aggregate]) -> list[Line]:
@@ -132,11 +150,15 @@ def lines(rows: Sequence[Aggregate]) -> list[Line]:
     out = []
     for point in sorted({(r.input_len, r.rate) for r in rows}):
         here = [r for r in rows if (r.input_len, r.rate) == point]
-        refs = {(m, n): best(here, m, n) for _, m, n in columns}
+        refs = {(m, k): best(here, m, k) for _, m, k in columns}
         for r in sorted(here, key=lambda r: r.setup):
-            ratios = {col: ratio(getattr(r, m), refs[m, n]) for col, m, n in columns}
+            ratios = {col: ratio(getattr(r, m), refs[m, k]) for col, m, k in columns}
             out.append(Line(r, ratios))
     return out
+
+
+def share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def result_cell(r: Aggregate) -> str:
@@ -158,7 +180,7 @@ def table(rows: Sequence[Aggregate]) -> str:
     """The per-point table with ratios to the best vLLM connector, and what its marks mean."""
     columns = [col for col, _, _ in ratio_columns(rows)]
     header = ["in", "qps", "setup", "result", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
-    header += ["req/s", *columns]
+    header += ["req/s", "1 burst", "late", *columns]
     cells = []
     for line in lines(rows):
         r = line.row
@@ -170,6 +192,8 @@ def table(rows: Sequence[Aggregate]) -> str:
                 result_cell(r),
                 *(_ms(v, r.partial) for v in (r.ttft_p50, r.ttft_p99, r.tpot_p50, r.tpot_p99)),
                 "-" if r.throughput is None else f"{r.throughput:.2f}",
+                share(r.one_burst),
+                share(r.late_tokens),
                 *(line.ratios[col].cell() for col in columns),
             ]
         )
@@ -179,8 +203,18 @@ def table(rows: Sequence[Aggregate]) -> str:
         f"({', '.join(SHIPPED)}) at that point, ok in every run if one was; "
         "below 1.00x is better"
     ]
-    if len(columns) > 2:
+    if any(col.endswith("/nospin") for col in columns):
         notes.append("X/nospin: the same against the best vllm-*-nospin setup")
+    if any(col.endswith("/single") for col in columns):
+        notes.append(
+            "X/single: the same against one plain vLLM server on the pair's cores (not "
+            "disaggregated, no proxy): above 1.00x disaggregating costs, below it wins"
+        )
+    notes.append(
+        "1 burst: answers whose tokens all reached the client at once; late: output tokens "
+        f"that reached the client more than {LATE_STEPS} decode steps after they were "
+        "produced (medians over runs; docs/benchmarks.md)"
+    )
     if any(r.status != "ok" and r.ok for r in rows):
         notes.append(
             "result 'stalled 1/3': 1 of 3 runs was ok; the latencies are medians of the ok runs"
@@ -216,6 +250,8 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
             "tpot_p99_ms",
             "tpot_coalesced",
             "request_throughput",
+            "one_burst",
+            "late_tokens",
             *(col.replace("/", "_vs_").lower() for col in columns),
             *(col.replace("/", "_vs_").lower() + "_shaky" for col in columns),
         ]
@@ -241,6 +277,8 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
                 *(number(v) for v in (r.ttft_p50, r.ttft_p99, r.tpot_p50, r.tpot_p99)),
                 int(coalesced(r.tpot_p50)),
                 number(r.throughput),
+                number(r.one_burst),
+                number(r.late_tokens),
                 *(number(x.value) for x in ratios),
                 *(int(x.shaky) for x in ratios),
             ]
@@ -276,7 +314,9 @@ def figure(rows: Sequence[Aggregate], title: str = "") -> Any:
 
     input_lens = sorted({r.input_len for r in rows})
     setups = sorted({r.setup for r in rows})
-    colours = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(setups)}
+    colours: dict[str, Any] = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(setups)}
+    if SINGLE in colours:
+        colours[SINGLE] = "black"
     fig, axes = plt.subplots(
         2, len(input_lens), figsize=(5.5 * len(input_lens), 8.8), squeeze=False
     )

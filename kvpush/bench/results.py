@@ -166,11 +166,13 @@ def _finite(value: Any) -> float | None:
     return None
 
 
-def summarise_bench(raw: dict[str, Any]) -> dict[str, Any]:
+def summarise_bench(raw: dict[str, Any], engine_step_ms: float | None = None) -> dict[str, Any]:
     """The numbers we keep from one `vllm bench serve --save-result` JSON.
 
     Latencies in ms as mean / p50 / p99 for TTFT, TPOT, ITL and E2E latency; requests
-    completed and failed; throughputs; and the most common error messages.
+    completed and failed; throughputs; the most common error messages; and how well the
+    answers streamed (`one_burst`, `late_tokens`; `engine_step_ms`: decode's mean time
+    between a request's tokens in the engine over the run, see `late_tokens`).
     """
     summary: dict[str, Any] = {}
     for metric in METRICS:
@@ -193,6 +195,7 @@ def summarise_bench(raw: dict[str, Any]) -> dict[str, Any]:
         {"error": text[:300], "count": n} for text, n in Counter(errors).most_common(3)
     ]
     summary["one_burst"] = one_burst_share(raw)
+    summary.update(late_tokens(raw, engine_step_ms))
     if completed == 0:
         # vLLM reports 0 for every latency when nothing completed; that is no measurement.
         for metric in METRICS:
@@ -227,6 +230,79 @@ def one_burst_share(raw: dict[str, Any]) -> float | None:
         return None
     bursts = sum(1 for ttft, latency in done if (latency - ttft) * 1e3 < ONE_BURST_MS)
     return bursts / len(done)
+
+
+LATE_STEPS = 2
+
+
+def token_arrivals(ttft: float, itls: Sequence[float], tokens: int) -> list[float]:
+    """When each of a request's `tokens` reached the client (s after it was sent), from its
+    TTFT and the gaps between its chunks; a chunk holding several tokens (fewer chunks than
+    tokens) is counted as the last one holding all that are left."""
+    chunks = [ttft]
+    for gap in itls:
+        chunks.append(chunks[-1] + gap)
+    return [chunks[min(i, len(chunks) - 1)] for i in range(max(tokens, len(chunks)))]
+
+
+def late_count(arrivals: Sequence[float], step: float, steps: float = LATE_STEPS) -> int:
+    """How many tokens reached the client more than `steps` decode steps after they were
+    produced, a step being `step` (the same unit as `arrivals`).
+
+    The engine makes a request's tokens at most one per step, so a token was produced at the
+    latest one step before the next one was, and never after it arrived: going backwards,
+    produced[i] = min(arrived[i], produced[i + 1] - step). A token's delay is arrived -
+    produced, the least it can have been: a stream that keeps up has none, an answer sent in
+    one burst of n tokens delays its k-th token by n - 1 - k steps."""
+    late = 0
+    produced = float("inf")
+    limit = (steps + 1e-6) * step  # exactly `steps` steps (rounding aside) is not late
+    for arrived in reversed(arrivals):
+        produced = min(arrived, produced - step)
+        if arrived - produced > limit:
+            late += 1
+    return late
+
+
+def late_tokens(raw: dict[str, Any], engine_step_ms: float | None) -> dict[str, Any]:
+    """`late_tokens`: the share of the completed requests' output tokens that reached the
+    client more than LATE_STEPS decode steps after they were produced (`late_count`), from
+    `--save-detailed` data; `late_step_ms`: the step used, with where it came from
+    (`late_step_from`). None without per-request data.
+
+    `late_count` needs a step no longer than any real one: with a longer one, a stream
+    whose cadence speeds up (a smaller batch, a core freed) looks as if it had been held
+    back. Decode's mean step over the run (`engine_step_ms`, from its engine's
+    inter-token histogram) is no such bound, so the step is the shorter of it and the
+    fastest cadence the run's streams showed: the 10th percentile of the gaps between a
+    request's chunks at the client, leaving out those under ONE_BURST_MS (coalesced)."""
+    none: dict[str, Any] = {"late_tokens": None, "late_step_ms": None, "late_step_from": None}
+    ttfts, itls = raw.get("ttfts"), raw.get("itls")
+    outputs = raw.get("output_lens")
+    if not isinstance(ttfts, list) or not isinstance(itls, list) or len(itls) != len(ttfts):
+        return none
+    if not isinstance(outputs, list) or len(outputs) != len(ttfts):
+        outputs = [len(gaps) + 1 for gaps in itls]
+    done = [
+        (ttft, gaps, int(n))
+        for ttft, gaps, n in zip(ttfts, itls, outputs, strict=True)
+        if ttft and isinstance(gaps, list) and n and n > 1
+    ]
+    gaps_ms = sorted(g * 1e3 for _, gaps, _ in done for g in gaps if g * 1e3 >= ONE_BURST_MS)
+    candidates = [
+        (step, source)
+        for step, source in (
+            (engine_step_ms, "decode engine mean"),
+            (gaps_ms[len(gaps_ms) // 10] if gaps_ms else None, "client gaps p10"),
+        )
+        if step is not None and step > 0
+    ]
+    if not done or not candidates:
+        return none
+    step_ms, source = min(candidates, key=lambda c: c[0])
+    total = sum(n for _, _, n in done)
+    late = sum(late_count(token_arrivals(t, g, n), step_ms / 1e3) for t, g, n in done)
+    return {"late_tokens": late / total, "late_step_ms": step_ms, "late_step_from": source}
 
 
 def classify(summary: dict[str, Any], num_prompts: int) -> tuple[str, str | None]:
@@ -268,6 +344,8 @@ class Aggregate:
     # No run was ok, so the latencies are those of the requests that did finish in the
     # runs that stalled or failed: biased low (the slowest requests are the missing ones).
     partial: bool = False
+    one_burst: float | None = None  # median share of answers sent in one burst
+    late_tokens: float | None = None  # median share of tokens late (`late_tokens()`)
 
     @property
     def status(self) -> str:
@@ -324,6 +402,8 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
                 sum(int(r.get("completed") or 0) for r in runs),
                 sum(int(r.get("num_prompts") or 0) for r in runs),
                 partial,
+                median(r.get("one_burst") for r in good),
+                median(r.get("late_tokens") for r in good),
             )
         )
     return rows

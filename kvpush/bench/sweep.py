@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench import results as res
+from kvpush.bench import trace
 from kvpush.bench.results import Point
 from kvpush.testbed import scrape
+from kvpush.testbed.pinning import confined, pin_preexec
 from kvpush.testbed.topology import (
     PairSettings,
     StartupError,
@@ -48,6 +50,10 @@ VLLM_COUNTERS = (
     "vllm:prompt_tokens_by_source_total",
     "vllm:request_success_total",
     "vllm:num_preemptions_total",
+    # time between a request's tokens as the engine made them: decode's step, which the
+    # streaming quality (`late_tokens`) is measured against
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
 )
 
 
@@ -65,6 +71,8 @@ class SweepSpec:
     request_timeout: float = 60.0
     run_timeout: float | None = None
     retry_failed: bool = False
+    # Write OUT/trace/<run>.json per run (kvpush.bench.trace); runs the hook timer
+    trace: bool = False
 
     def __post_init__(self) -> None:
         check_setups(self.setups)
@@ -144,6 +152,35 @@ def bench_command(spec: SweepSpec, point: Point, url: str, raw_dir: Path) -> lis
 # -- the proxy, in a thread of this process ------------------------------------------------
 
 
+class Direct:
+    """In place of the proxy for the single setup: the load goes straight to its server (a
+    deployment that does not disaggregate has no proxy to pay for)."""
+
+    native_id = None
+
+    def __init__(self, topology: Topology) -> None:
+        self.url = topology.specs[0].url
+
+    def log_chunks(self) -> None:
+        return None
+
+    def logged_chunks(self) -> dict[str, list[tuple[float, int]]] | None:
+        return None  # no proxy: the client's own timestamps are all there is
+
+    def __enter__(self) -> Direct:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def front(topology: Topology, port: int, request_timeout: float) -> ProxyThread | Direct:
+    """Where a run's load is sent: the proxy in front of a pair, or the single server."""
+    if topology.config.setup is None:
+        return Direct(topology)
+    return ProxyThread(topology, port, request_timeout)
+
+
 class ProxyThread:
     """Our proxy on its own event loop, for the duration of one group of runs."""
 
@@ -158,11 +195,27 @@ class ProxyThread:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.runner: Any = None
+        self.native_id: int | None = None  # the thread's id in /proc, for --trace
         self.thread = threading.Thread(target=self._main, name="kvpush-proxy", daemon=True)
 
     @property
     def url(self) -> str:
         return local_url(self.port)
+
+    def _proxy(self) -> Any:
+        from kvpush.proxy.server import PROXY_KEY
+
+        return self.runner.app[PROXY_KEY]
+
+    def log_chunks(self) -> None:
+        """From now on, keep when each chunk of decode's answers reached the proxy."""
+        self._proxy().chunk_logs = {}
+
+    def logged_chunks(self) -> dict[str, list[tuple[float, int]]] | None:
+        """What was kept since `log_chunks`, by request id; and stop keeping it."""
+        proxy = self._proxy()
+        logs, proxy.chunk_logs = proxy.chunk_logs, None
+        return dict(logs) if logs is not None else None
 
     def __enter__(self) -> ProxyThread:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,6 +241,11 @@ class ProxyThread:
         self.logger.propagate = True
 
     def _main(self) -> None:
+        self.native_id = threading.get_native_id()
+        with confined(self.topology.client_cores):  # this thread only
+            self._serve()
+
+    def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
             starting = start_topology_proxy(
@@ -218,6 +276,7 @@ class QueueSampler:
 
     def __init__(self, url: str, every: float = 0.5) -> None:
         self.url, self.every = url, every
+        self.times: list[float] = []  # time.monotonic() of each sample
         self.waiting: list[float] = []
         self.running: list[float] = []
         self.stop = threading.Event()
@@ -237,6 +296,7 @@ class QueueSampler:
                 samples = scrape.scrape(self.url, timeout=2.0)
                 self.waiting.append(scrape.total(samples, "vllm:num_requests_waiting"))
                 self.running.append(scrape.total(samples, "vllm:num_requests_running"))
+                self.times.append(time.monotonic())
 
     def summary(self) -> dict[str, Any]:
         def stats(values: list[float]) -> dict[str, float | None]:
@@ -275,6 +335,15 @@ def metric_deltas(
     return deltas
 
 
+def engine_step_ms(deltas: dict[str, float] | None) -> float | None:
+    """Decode's mean time between a request's tokens in the engine over a run (ms)."""
+    if not deltas:
+        return None
+    count = delta_total(deltas, "vllm:inter_token_latency_seconds_count")
+    total = delta_total(deltas, "vllm:inter_token_latency_seconds_sum")
+    return total / count * 1e3 if count > 0 else None
+
+
 def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:
     """Sum of a run's deltas for metric `name` whose labels include `labels`."""
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
@@ -289,23 +358,34 @@ def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:
 # -- one run ---------------------------------------------------------------------------------
 
 
-def run_point(spec: SweepSpec, point: Point, topology: Topology, proxy_url: str) -> dict[str, Any]:
-    """Run `vllm bench serve` once and return the run's result record."""
+def run_point(
+    spec: SweepSpec, point: Point, topology: Topology, proxy: ProxyThread | Direct
+) -> dict[str, Any]:
+    """Run `vllm bench serve` once through `proxy` and return the run's result record
+    (with `spec.trace`, also write its trace: the proxy thread's CPU and the chunks it
+    relayed among what it holds)."""
+    proxy_url = proxy.url
     raw_dir = spec.out / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     raw_path = raw_dir / f"{point.stem}.vllm.json"
     raw_path.unlink(missing_ok=True)
     command = bench_command(spec, point, proxy_url, raw_dir)
-    decode_url, prefill_url = topology.decode[0].url, topology.prefill[0].url
-    before = {"decode": safe_scrape(decode_url), "prefill": safe_scrape(prefill_url)}
+    servers = server_urls(topology)
+    decode_url = servers.get("decode") or servers["single"]
+    before = {role: safe_scrape(url) for role, url in servers.items()}
     deadline = spec.deadline(point)
     started = time.time()
     status: str | None = None
     reason: str | None = None
     log_path = point.log_path(spec.out)
+    client = topology.client_cores
+    tracer = trace.Tracer(topology, proxy_tid=proxy.native_id) if spec.trace else None
     with open(log_path, "wb") as log, QueueSampler(decode_url) as sampler:
         log.write(("$ " + " ".join(command) + "\n").encode())
         log.flush()
+        if tracer is not None:
+            tracer.start()
+            proxy.log_chunks()
         proc = subprocess.Popen(
             command,
             stdout=log,
@@ -313,7 +393,10 @@ def run_point(spec: SweepSpec, point: Point, topology: Topology, proxy_url: str)
             stdin=subprocess.DEVNULL,
             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
             start_new_session=True,
+            preexec_fn=None if client is None else pin_preexec(client),
         )
+        if tracer is not None:
+            tracer.watch_client(proc.pid)
         try:
             code = proc.wait(timeout=deadline)
         except subprocess.TimeoutExpired:
@@ -325,11 +408,16 @@ def run_point(spec: SweepSpec, point: Point, topology: Topology, proxy_url: str)
                 "(requests never finished); killed"
             )
     elapsed = time.time() - started
-    after = {"decode": safe_scrape(decode_url), "prefill": safe_scrape(prefill_url)}
+    if tracer is not None:
+        tracer.stop()
+    after = {role: safe_scrape(url) for role, url in servers.items()}
+    deltas = {role: metric_deltas(before[role], after[role]) for role in servers}
     summary: dict[str, Any] = {}
     raw = res.read_raw(raw_path)
     if raw is not None:
-        summary = res.summarise_bench(raw)
+        summary = res.summarise_bench(
+            raw, engine_step_ms(deltas.get("decode", deltas.get("single")))
+        )
         if status is None:
             status, reason = res.classify(summary, spec.num_prompts)
     elif status is None:
@@ -341,8 +429,19 @@ def run_point(spec: SweepSpec, point: Point, topology: Topology, proxy_url: str)
         topology.check_alive()
     except StartupError as exc:
         status, reason = "server died", str(exc).splitlines()[0]
+    traced: dict[str, Any] = {}
+    if tracer is not None:
+        record = tracer.result(
+            raw, sampler.times, sampler.waiting, sampler.running, proxy.logged_chunks()
+        )
+        trace_path = spec.out / "trace" / f"{point.stem}.json"
+        trace.write(trace_path, record)
+        traced = {
+            "trace": str(trace_path.relative_to(spec.out)),
+            "trace_summary": record["summary"],
+        }
     return {
-        **record_head(spec, point),
+        **record_head(spec, point, topology),
         "status": status,
         "reason": reason,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -350,15 +449,21 @@ def run_point(spec: SweepSpec, point: Point, topology: Topology, proxy_url: str)
         "deadline_s": round(deadline, 1),
         **summary,
         "decode_queue": sampler.summary(),
-        "metrics": {
-            role: metric_deltas(before[role], after[role]) for role in ("decode", "prefill")
-        },
+        "metrics": deltas,
         "command": command,
         "log": log_path.name,
+        **traced,
     }
 
 
-def record_head(spec: SweepSpec, point: Point) -> dict[str, Any]:
+def server_urls(topology: Topology) -> dict[str, str]:
+    """The servers scraped around a run, by role: decode and prefill, or single."""
+    if not topology.decode:
+        return {"single": topology.specs[0].url}
+    return {"decode": topology.decode[0].url, "prefill": topology.prefill[0].url}
+
+
+def record_head(spec: SweepSpec, point: Point, topology: Topology) -> dict[str, Any]:
     return {
         "schema": res.SCHEMA,
         "setup": point.setup,
@@ -371,12 +476,21 @@ def record_head(spec: SweepSpec, point: Point) -> dict[str, Any]:
         "prefix_caching": spec.pair.prefix_caching,
         "model": str(spec.pair.model),
         "seed": spec.seed,
+        # which cores each server ran on, and whether its whole process tree was held there
+        "pinning": topology.pinning(),
     }
 
 
-def not_run(spec: SweepSpec, point: Point, status: str, reason: str) -> dict[str, Any]:
+def not_run(
+    spec: SweepSpec, point: Point, topology: Topology, status: str, reason: str
+) -> dict[str, Any]:
     """The record of a run that could not happen (servers did not start, warm-up failed)."""
-    return {**record_head(spec, point), "status": status, "reason": reason, "completed": 0}
+    return {
+        **record_head(spec, point, topology),
+        "status": status,
+        "reason": reason,
+        "completed": 0,
+    }
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -446,6 +560,9 @@ def describe(result: dict[str, Any]) -> str:
     burst = result.get("one_burst")
     if burst:
         line += f", {burst:.0%} of answers in one burst (TTFT holds their decode)"
+    late = result.get("late_tokens")
+    if late is not None:
+        line += f", {late:.0%} of tokens late (>{res.LATE_STEPS} steps)"
     return line
 
 
@@ -486,17 +603,17 @@ def run_group(
     queue = list(points)
     while queue:
         pair = spec.pair
-        topology = Topology(pair.topology(setup, "sweep"))
+        topology = Topology(pair.topology(setup, "sweep", timed_hooks=spec.trace))
         try:
             topology.start()
             took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))
             say(f"  [{setup}] servers healthy after {took:.0f} s")
-            with ProxyThread(topology, pair.port, spec.request_timeout) as proxy:
+            with front(topology, pair.port, spec.request_timeout) as proxy:
                 error = asyncio.run(warm_up(proxy.url, str(pair.model)))
                 if error:
                     reason = f"warm-up through the proxy failed: {error}"
                     say(f"  [{setup}] {reason}")
-                    written += _record_all(spec, queue, "failed", reason, progress, say)
+                    written += _record_all(spec, queue, topology, "failed", reason, progress, say)
                     return written
                 while queue:
                     point = queue.pop(0)
@@ -504,18 +621,20 @@ def run_group(
                         f"  [{setup}] qps {point.rate:g}, {point.input_len} in / "
                         f"{point.output_len} out, {spec.num_prompts} prompts ..."
                     )
-                    result = run_point(spec, point, topology, proxy.url)
+                    result = run_point(spec, point, topology, proxy)
                     res.write_result(point.path(spec.out), result)
                     written.append(result)
                     progress.advance()
                     say(f"  [{setup}] {describe(result)}\n  {progress.bar()}")
+                    if "trace_summary" in result:
+                        say(f"  [{setup}] {trace.describe({'summary': result['trace_summary']})}")
                     if result["status"] in ("stalled", "server died") and queue:
                         say(f"  [{setup}] restarting the servers for the next runs")
                         break
         except StartupError as exc:
             reason = str(exc).splitlines()[0]
             say(f"  [{setup}] did not start: {reason}")
-            written += _record_all(spec, queue, "not started", reason, progress, say)
+            written += _record_all(spec, queue, topology, "not started", reason, progress, say)
             return written
         finally:
             topology.stop()
@@ -523,11 +642,17 @@ def run_group(
 
 
 def _record_all(
-    spec: SweepSpec, points: list[Point], status: str, reason: str, progress: Progress, say: Say
+    spec: SweepSpec,
+    points: list[Point],
+    topology: Topology,
+    status: str,
+    reason: str,
+    progress: Progress,
+    say: Say,
 ) -> list[dict[str, Any]]:
     written = []
     for point in points:
-        record = not_run(spec, point, status, reason)
+        record = not_run(spec, point, topology, status, reason)
         res.write_result(point.path(spec.out), record)
         written.append(record)
         progress.advance(ran=False)

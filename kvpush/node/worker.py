@@ -81,6 +81,8 @@ class WorkerSide:
         self.config = config
         self.identity = identity
         self.timer = HookTimer("worker")
+        self._start_span = self.timer("start_load_kv")
+        self._finished_span = self.timer("get_finished")
         self.results = Results()
         self.transport: NixlTransport | None = None
         self.server: ControlServer | None = None
@@ -271,9 +273,9 @@ class WorkerSide:
         self, recv: Sequence[RecvSpec], send: Sequence[SendSpec], aborted: Sequence[AbortSpec]
     ) -> None:
         """The engine loop's specs for this step, queued for the part (O(1) each)."""
-        with self.timer("start_load_kv"):
+        with self._start_span:
             part = self.part
-            if part is None:
+            if part is None or not (recv or send or aborted):
                 return
             now = time.monotonic()
             # prefill takes finished prefills, decode its allocations; both take aborts but
@@ -288,11 +290,16 @@ class WorkerSide:
                     part.inbox.put((abort, now))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        with self.timer("get_finished"):
+        with self._finished_span:
             return self.results.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.results.take_load_errors()
+
+    def has_news(self) -> bool:
+        """Whether the threads recorded anything for the stats since they were taken (no
+        lock: a racing write shows at the next call)."""
+        return self.results.news
 
     def stats_data(self) -> dict[str, Any]:
         data = self.results.take_data()

@@ -346,6 +346,9 @@ class Measured:
     e2el_p50: float | None
     one_burst: float | None = None
     """Median over the ok runs of the share of answers that arrived in one burst."""
+    late_tokens: float | None = None
+    """Median over the ok runs of the share of output tokens that reached the client more
+    than two decode steps after they were produced (`kvpush.bench.results.late_tokens`)."""
 
 
 METRICS = ("ttft", "tpot", "e2el")
@@ -401,6 +404,7 @@ def measured_points(results: Sequence[Mapping[str, Any]]) -> list[Measured]:
                 tpot_p50=_median((r.get("tpot") or {}).get("p50") for r in ok),
                 e2el_p50=_median((r.get("e2el") or {}).get("p50") for r in ok),
                 one_burst=_median(r.get("one_burst") for r in ok),
+                late_tokens=_median(r.get("late_tokens") for r in ok),
             )
         )
     return points

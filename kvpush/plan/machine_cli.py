@@ -48,7 +48,7 @@ side channels from --kv-port. About 2-3 minutes per setup on 2 cores."""
 CHECK_EPILOG = """\
 examples:
   kvpush plan check results/sweep --profile profile.json
-  kvpush plan check tests/data/plan/sweep2 --profile tests/data/plan/profile.json --plot c.png
+  kvpush plan check tests/data/plan/sweep-pinned --profile tests/data/plan/profile.json --plot c.png
 
 error = (predicted - measured) / measured, of the p50 (for the measurement: the median
 over iterations of each ok run's p50; for the prediction: the median over --seeds arrival
@@ -93,6 +93,9 @@ def register(nested: Any) -> None:
     m.add_argument("--workdir", type=Path, default=Path(".kvpush"), help="logs and caches")
     m.add_argument("--startup-timeout", type=float, default=300.0)
     m.add_argument("--redo", action="store_true", help="measure setups already in --out again")
+    from kvpush.testbed.pinning import NO_PIN_HELP
+
+    m.add_argument("--no-pin", dest="pin", action="store_false", help=NO_PIN_HELP)
     from kvpush.plan.measure import MEMCPY_GBPS, NIXL_DRAM_GBPS, PROXY_ADDED_MS
 
     default_added = ",".join(f"{mode}={ms}" for mode, ms in PROXY_ADDED_MS.items())
@@ -186,6 +189,7 @@ def run_measure(args: argparse.Namespace) -> int:
                 max_num_seqs=args.max_num_seqs,
                 kv_cache_gib=args.kv_cache_gib,
                 startup_timeout=args.startup_timeout,
+                pin=args.pin,
             ),
             setups=[s.strip() for s in args.setups.split(",") if s.strip()],
             input_lens=lens,
@@ -213,6 +217,10 @@ def run_measure(args: argparse.Namespace) -> int:
 
 def _pct(error: float | None) -> str:
     return "-" if error is None else f"{error * 100:+.0f}%"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _ms(value: float | None, digits: int = 1) -> str:
@@ -252,7 +260,7 @@ def render_check(rows: Sequence[CheckRow], limit: float = 0.25) -> str:
     headers = ["in", "qps", "setup", "result"]
     for name in ("TTFT", "TPOT", "E2E"):
         headers += [f"{name} p50", "predicted", "error"]
-    headers.append("1 burst")
+    headers += ["1 burst", "late"]
     cells = []
     for row in sorted(
         rows, key=lambda r: (r.measured.input_len, r.measured.rate, r.measured.setup)
@@ -271,13 +279,14 @@ def render_check(rows: Sequence[CheckRow], limit: float = 0.25) -> str:
                 _ms(getattr(row, f"{metric}_p50"), digits),
                 _pct(row.error(metric)),
             ]
-        line.append("-" if m.one_burst is None else f"{m.one_burst:.0%}")
+        line += [_share(m.one_burst), _share(m.late_tokens)]
         cells.append(line)
     lines = [
         format_table(headers, cells),
         "(ms; error = (predicted - measured) / measured; E2E = arrival to last token; "
         "1 burst = share of answers whose tokens all reached the client at once, which "
-        "puts their decode into TTFT and none into TPOT)",
+        "puts their decode into TTFT and none into TPOT; late = share of output tokens that "
+        "reached the client more than 2 decode steps after they were produced)",
     ]
     for setup in sorted({r.measured.setup for r in rows}):
         mine = [r for r in rows if r.measured.setup == setup]
@@ -308,6 +317,7 @@ def check_json(rows: Sequence[CheckRow]) -> list[dict[str, Any]]:
             "predicted": {f"{m}_p50": getattr(r, f"{m}_p50") for m in METRICS},
             "error": {f"{m}_p50": r.error(m) for m in METRICS},
             "one_burst": r.measured.one_burst,
+            "late_tokens": r.measured.late_tokens,
         }
         for r in rows
     ]

@@ -86,12 +86,14 @@ class MeasureSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from kvpush.testbed.topology import check_setups
+        from kvpush.testbed.topology import SINGLE, check_setups
 
         try:
             check_setups(self.setups)
         except ValueError as exc:
             raise PlannerError(str(exc)) from None
+        if SINGLE in self.setups:
+            raise PlannerError(f"--setups: {SINGLE} has no handoff to measure; leave it out")
         if not self.input_lens or any(n < 1 for n in self.input_lens):
             raise PlannerError("--input-lens: give one or more prompt lengths >= 1")
         short, long = self.output_lens
@@ -386,6 +388,7 @@ class Prober:
 
 
 def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
+    from kvpush.testbed.pinning import confined
     from kvpush.testbed.topology import StartupError, StartupProgress, Topology
 
     config = spec.pair.topology(setup, "plan-measure", timed_hooks=True)
@@ -400,7 +403,8 @@ def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
         topology.start()
         took = topology.wait_healthy(spec.pair.startup_timeout, StartupProgress(f"[{setup}] "))
         say(f"  [{setup}] servers healthy after {took:.0f} s")
-        probe = asyncio.run(Prober(spec, topology, say).run(setup))
+        with confined(topology.client_cores):
+            probe = asyncio.run(Prober(spec, topology, say).run(setup))
     except StartupError as exc:
         raise PlannerError(f"{setup}: servers did not start: {str(exc).splitlines()[0]}") from None
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -411,6 +415,7 @@ def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
         topology.stop()
         say(f"  [{setup}] servers stopped")
     probe.extra.update(
+        pinning=topology.pinning(),
         measured_at=started,
         load_average_before=[round(v, 2) for v in load_before],
         load_average_after=[round(v, 2) for v in os.getloadavg()],

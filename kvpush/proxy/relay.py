@@ -18,13 +18,21 @@ from kvpush.proxy.rewrite import Backend
 class Relay:
     """Writes decode's answer to the client; knows whether the client already got bytes."""
 
-    def __init__(self, request: web.Request, started: float, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        started: float,
+        metrics: Metrics,
+        chunk_log: list[tuple[float, int]] | None = None,
+    ) -> None:
         self.request = request
         self.started = started
         self.metrics = metrics
         self.response: web.StreamResponse | None = None
         self.prefill: Backend | None = None  # the prefill this request went to
         self.prefill_seconds: float | None = None  # how long its leg took, once it answered
+        # (time.monotonic(), bytes) of each streamed chunk from decode, when being traced
+        self.chunk_log = chunk_log
 
     @property
     def answered(self) -> bool:
@@ -51,6 +59,8 @@ class Relay:
         )
         first = True
         async for chunk in resp.content.iter_any():
+            if self.chunk_log is not None:
+                self.chunk_log.append((time.monotonic(), len(chunk)))
             if first:
                 self._first_byte(backend, on_first_byte)
                 await stream.prepare(self.request)

@@ -87,6 +87,10 @@ class Proxy:
         self.admin = Admin(self.backends, config.admin_token, config.policies)
         self.draining = False  # set at SIGTERM: /ready answers 503, requests in flight finish
         self.in_flight = 0  # client requests being answered
+        # When set (`kvpush bench sweep --trace`): per request id, when each chunk of decode's
+        # streamed answer reached the proxy (`Relay.chunk_log`), to tell a burst made
+        # upstream of the proxy from one made after it
+        self.chunk_logs: dict[str, list[tuple[float, int]]] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -217,7 +221,9 @@ class Proxy:
             prompt_tokens + rewrite.requested_output_tokens(body),
             rewrite.trace_headers(request.headers),
         )
-        relay = Relay(request, time.perf_counter(), self.metrics)
+        logs = self.chunk_logs
+        chunks = None if logs is None else logs.setdefault(job.request_id, [])
+        relay = Relay(request, time.perf_counter(), self.metrics, chunks)
         try:
             await self.legs.run(job, relay)
         except NoBackend as exc:

@@ -2,7 +2,8 @@
 
 Used by `kvpush up`, the benchmark and the end-to-end tests, so all three run the exact
 same set-up. Every server runs in its own process session, so stopping it kills the whole
-tree vLLM spawned (API server, engine core, workers) and frees its ports.
+tree vLLM spawned (API server, engine core, workers) and frees its ports; and, unless
+`pin` is off, on its own cores, which that whole tree inherits (`kvpush.testbed.pinning`).
 
 All servers listen on 127.0.0.1, unless the topology is given hosts (network namespaces,
 `kvpush.testbed.hosts`): then each server runs inside one (`ip netns exec`), listens and
@@ -32,6 +33,7 @@ from typing import Any
 
 from kvpush.proxy.rewrite import Backend
 from kvpush.testbed.hosts import UCX_ENV, Host
+from kvpush.testbed.pinning import CorePlan, parse_cpu_list, pin_preexec, plan_cores
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +119,21 @@ SETUPS: dict[str, ConnectorSetup] = {
 # The setups a demo or sweep runs unless told otherwise: each connector as shipped.
 MAIN_SETUPS = ("vllm-pull", "vllm-push", "kvpush-push", "kvpush-pull")
 
+# Not disaggregating at all: one plain vLLM server (no KV connector) on the cores the pair
+# would have, the load sent straight to it (a benchmark setup, beside SETUPS).
+SINGLE = "single"
+BENCH_SETUPS = (*SETUPS, SINGLE)
+# What a sweep, a demo and `kvpush bench compare` run unless told otherwise.
+SWEEP_SETUPS = (*MAIN_SETUPS, SINGLE)
+
 
 def check_setups(names: Sequence[str]) -> None:
     """Raise ValueError, worded for --setups, unless `names` are one or more known setups."""
-    unknown = [n for n in names if n not in SETUPS]
+    unknown = [n for n in names if n not in BENCH_SETUPS]
     if unknown or not names:
         raise ValueError(
             f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
-            f"choose from {', '.join(SETUPS)}"
+            f"choose from {', '.join(BENCH_SETUPS)}"
         )
 
 
@@ -234,6 +243,7 @@ class ServerSpec:
     env: dict[str, str]
     log_path: Path
     parallel: Parallel = Parallel()
+    pinned: bool = False  # the whole process tree confined to `cores`, not only the worker
     address: str = "127.0.0.1"  # its HTTP and control ports listen here
     netns: str = ""  # the network namespace it runs in ("": this one)
 
@@ -283,6 +293,9 @@ class TopologyConfig:
     # Another setup for every server of a role, e.g. {"prefill": "kvpush-pull"} next to
     # setup "kvpush-push": a deliberately mismatched pair, to test how it is refused.
     role_setups: dict[str, str] = field(default_factory=dict)
+    # Confine every process of each server to its cores (False: only the model worker's
+    # threads, through VLLM_CPU_OMP_THREADS_BIND)
+    pin: bool = True
     # TP, DP and block size of the servers of a role ("prefill" or "decode"); default 1, 1
     parallel: dict[str, Parallel] = field(default_factory=dict)
     # Authenticates kvpush's control messages; the same for every server of this topology,
@@ -327,21 +340,24 @@ class PairSettings:
     prefix_caching: bool = True  # vLLM's default; False: --no-enable-prefix-caching
     startup_timeout: float = 300.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    pin: bool = True  # each server's processes on its own cores (False: --no-pin)
 
     def topology(self, setup: str, label: str, timed_hooks: bool = False) -> TopologyConfig:
-        """`setup`'s pair, logs under WORKDIR/LABEL/SETUP; all share one compile cache
-        (WORKDIR/vllm-cache), since the model is the same."""
+        """`setup`'s pair (for SINGLE, one plain server on the pair's cores), logs under
+        WORKDIR/LABEL/SETUP; all share one compile cache (WORKDIR/vllm-cache), since the
+        model is the same."""
         return TopologyConfig(
             model=self.model,
-            setup=setup,
+            setup=None if setup == SINGLE else setup,
             port=self.port,
             kv_port=self.kv_port,
             eager=True,
             max_num_seqs=self.max_num_seqs,
             kv_cache_gib=self.kv_cache_gib,
             workdir=self.workdir / label / setup,
-            timed_hooks=timed_hooks,
+            timed_hooks=timed_hooks and setup != SINGLE,
             prefix_caching=self.prefix_caching,
+            pin=self.pin,
             extra_env={
                 "VLLM_CACHE_ROOT": str((self.workdir / "vllm-cache").resolve()),
                 **self.extra_env,
@@ -363,25 +379,37 @@ def assign_hosts(n_prefill: int, n_decode: int, hosts: Sequence[Host]) -> list[H
     ]
 
 
+def core_plan(config: TopologyConfig, cores: Sequence[int] | None = None) -> CorePlan:
+    """Cores per server of `config` and for the proxy and load generator (`cores`: those
+    to share out, default this process's)."""
+    available = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if config.setup is None:  # one server, on what a 1P1D pair gets
+        return plan_cores(1, 1, available, config.pin, single=True)
+    return plan_cores(config.n_prefill, config.n_decode, available, config.pin)
+
+
 def build_specs(
     config: TopologyConfig, cores: Sequence[int] | None = None, hosts: Sequence[Host] = ()
 ) -> list[ServerSpec]:
     """The servers a topology runs, with ports, engine ids, cores, argv and env; with
     `hosts`, each runs inside one of them (see the module)."""
-    available = sorted(cores if cores is not None else os.sched_getaffinity(0))
     logs = config.workdir / "logs"
     if config.setup is None:
         roles = [("single", 0)]
     else:
         roles = [("prefill", i) for i in range(config.n_prefill)]
         roles += [("decode", i) for i in range(config.n_decode)]
+    plan = core_plan(config, cores)
+    # Where a server with more workers than cores borrows cores: any server's, or with
+    # pinning off (main's behaviour) any core at all
+    everything = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    pool = plan.server_cores if config.pin else everything
     n_pre = sum(1 for r, _ in roles if r == "prefill")
-    shares = assign_cores(n_pre, len(roles) - n_pre, available) if config.setup else [available]
     placed: list[Host | None] = list(assign_hosts(n_pre, len(roles) - n_pre, hosts))
     placed = placed or [None] * len(roles)
     specs = []
     kv_port = config.kv_port
-    for (role, i), share, host in zip(roles, shares, placed, strict=True):
+    for (role, i), share, host in zip(roles, plan.servers, placed, strict=True):
         offset = {"prefill": 100, "decode": 200, "single": 300}[role]
         name = f"{role}-{i}"
         port = config.port + offset + i
@@ -413,13 +441,17 @@ def build_specs(
             argv += ["--kv-transfer-config", json.dumps(transfer)]
         argv += parallel.vllm_args()
         argv += config.extra_vllm_args + config.role_vllm_args.get(role, [])
+        binding = rank_binding(share, parallel.ranks, pool)
+        # pinned, the whole tree is held to the cores its ranks' threads are bound to: its
+        # share, or (TP2 on one core's share) the others' cores it borrows too
+        tree = sorted(parse_cpu_list(binding.replace("|", ",")))
         env = {
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
-            "VLLM_CPU_OMP_THREADS_BIND": rank_binding(share, parallel.ranks, available),
+            "VLLM_CPU_OMP_THREADS_BIND": binding,
             "VLLM_CACHE_ROOT": str((config.workdir / "vllm-cache").resolve()),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": address,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
@@ -430,8 +462,8 @@ def build_specs(
             **config.extra_env,
         }
         spec = ServerSpec(
-            name, role, port, kv_port, name, list(share), argv, env, logs / f"{name}.log",
-            parallel,
+            name, role, port, kv_port, name, tree, argv, env, logs / f"{name}.log",
+            parallel, config.pin,
         )  # fmt: skip
         if host is not None:
             spec.argv, spec.address, spec.netns = host.command(argv), address, host.netns
@@ -498,8 +530,34 @@ class Topology:
         self, config: TopologyConfig, cores: Sequence[int] | None = None, hosts: Sequence[Host] = ()
     ) -> None:
         self.config = config
+        self.cores = core_plan(config, cores)
         self.specs = build_specs(config, cores, hosts)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def client_cores(self) -> list[int] | None:
+        """Where the proxy and the load generator run: the cores no server has, or None
+        (float over all cores) when there are none left or pinning is off."""
+        return list(self.cores.rest) if self.cores.rest_is_own else None
+
+    def pinning(self) -> dict[str, Any]:
+        """The cores of each server and of the proxy and load generator, for a record."""
+        client = self.client_cores
+        return {
+            "pinned": self.config.pin,
+            "servers": {
+                s.name: {
+                    "cores": format_cores(s.cores),
+                    "confined": "every process" if s.pinned else "model worker threads only",
+                }
+                for s in self.specs
+            },
+            "proxy_and_client": format_cores(client)
+            if client
+            else "float over every core (no core left for them)"
+            if self.config.pin
+            else "float over every core (--no-pin)",
+        }
 
     @property
     def prefill(self) -> list[ServerSpec]:
@@ -535,7 +593,8 @@ class Topology:
                 for stale in ledgers.glob("*.json"):
                     stale.unlink()
             with open(spec.log_path, "wb") as log:
-                log.write(f"$ {shlex.join(spec.argv)}\n".encode())
+                pinned = f"(on cores {format_cores(spec.cores)}) " if spec.pinned else ""
+                log.write(f"$ {pinned}{shlex.join(spec.argv)}\n".encode())
                 log.flush()
                 self.procs[spec.name] = subprocess.Popen(
                     spec.argv,
@@ -544,6 +603,7 @@ class Topology:
                     stdin=subprocess.DEVNULL,
                     env={**os.environ, **spec.env},
                     start_new_session=True,
+                    preexec_fn=pin_preexec(spec.cores) if spec.pinned else None,
                 )
 
     def wait_healthy(

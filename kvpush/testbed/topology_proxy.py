@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvpush.testbed.pinning import confined
 from kvpush.testbed.topology import SETUPS, StartupError, Topology
 
 if TYPE_CHECKING:
@@ -52,19 +53,22 @@ async def with_warm_proxy(
     **settings: Any,
 ) -> T:
     """Start the proxy for `topology`, warm the pair up through it, run `work(url)` and
-    stop the proxy; a port that cannot be bound or a failed warm-up is a StartupError."""
-    try:
-        runner = await start_topology_proxy(topology, port, **settings)
-    except OSError as exc:
-        raise cannot_listen(port, exc) from None
-    url = local_url(port)
-    try:
-        error = await warm_up(url, str(topology.config.model))
-        if error:
-            raise StartupError(f"warm-up through the proxy failed: {error}")
-        return await work(url)
-    finally:
-        await runner.cleanup()
+    stop the proxy; a port that cannot be bound or a failed warm-up is a StartupError.
+    The calling thread (the proxy's and the work's event loop) runs meanwhile on the cores
+    no server has, if there are any (`Topology.client_cores`)."""
+    with confined(topology.client_cores):
+        try:
+            runner = await start_topology_proxy(topology, port, **settings)
+        except OSError as exc:
+            raise cannot_listen(port, exc) from None
+        url = local_url(port)
+        try:
+            error = await warm_up(url, str(topology.config.model))
+            if error:
+                raise StartupError(f"warm-up through the proxy failed: {error}")
+            return await work(url)
+        finally:
+            await runner.cleanup()
 
 
 def cannot_listen(port: int, exc: OSError) -> StartupError:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpush.args import allow_dash_value, at_least, port_number, positive
 from kvpush.testbed.hosts import Hosts, HostsError
+from kvpush.testbed.pinning import NO_PIN_HELP, check_confined, confined
 from kvpush.testbed.topology import (
     SETUPS,
     Parallel,
@@ -20,6 +21,7 @@ from kvpush.testbed.topology import (
     StartupProgress,
     Topology,
     TopologyConfig,
+    format_cores,
 )
 from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy, warm_up
 
@@ -40,6 +42,11 @@ engine) of each server in turn; logs go to WORKDIR/logs/.
 hosts: with --hosts N (root), the servers run in N network namespaces joined by a bridge,
 each with its own address in 198.18.0.0/15 (prefill and decode on different ones), the
 KV moving over the link by UCX over TCP; the proxy stays here on 127.0.0.1:PORT.
+
+cores: prefill servers share the first half of this process's cores, decode servers the
+second (each its own share where there are enough); every process of a server (API server,
+engine core, workers) runs on its share only. With more cores than servers, one is kept
+for the proxy. --no-pin binds only the model workers' threads, as before.
 
 examples:
   kvpush model tiny models/tiny && kvpush up --connector vllm-push --model models/tiny
@@ -143,6 +150,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument("--startup-timeout", type=positive(), default=600.0)
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help=NO_PIN_HELP)
     parser.add_argument(
         "--warmup",
         type=at_least(0),
@@ -180,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
                 for role in ("prefill", "decode")
             },
             workdir=args.workdir,
+            pin=args.pin,
         )
     except ValueError as exc:
         print(f"kvpush up: {exc}", file=sys.stderr)
@@ -212,7 +221,10 @@ def _run(topology: Topology, args: argparse.Namespace) -> int:
         topology.start()
         took = topology.wait_healthy(args.startup_timeout, StartupProgress("", every=5.0))
         print(f"\nall {len(topology.specs)} servers healthy after {took:.0f} s", flush=True)
-        return asyncio.run(_serve(topology, args))
+        if topology.config.pin:
+            print(confinement(topology), flush=True)
+        with confined(topology.client_cores):
+            return asyncio.run(_serve(topology, args))
     except StartupError as exc:
         print(f"\nkvpush up: {exc}\nstopping everything that was started.", file=sys.stderr)
         return 1
@@ -234,6 +246,7 @@ def vllm_args(text: str, flag: str = "--vllm-args") -> list[str]:
 
 def _print_plan(topology: Topology) -> None:
     config = topology.config
+    pinning = topology.pinning()
     print(f"kvpush up: {config.setup}, model {config.model}", flush=True)
     for spec in topology.specs:
         ports = spec.kv_ports
@@ -246,6 +259,28 @@ def _print_plan(topology: Topology) -> None:
             + f"log {spec.log_path}",
             flush=True,
         )
+    where = ", ".join(f"{n} on {s['cores']}" for n, s in pinning["servers"].items())
+    how = "every process of each server" if config.pin else "model worker threads only (--no-pin)"
+    print(f"  cores: {where} ({how}); proxy: {pinning['proxy_and_client']}", flush=True)
+
+
+def confinement(topology: Topology) -> str:
+    """One line per server: how many of its processes and threads run only on its cores,
+    read back from /proc; or which do not."""
+    lines = []
+    for spec in topology.specs:
+        proc = topology.procs.get(spec.name)
+        if proc is None:
+            continue
+        threads, problems = check_confined(proc.pid, spec.cores)
+        processes = len({t.pid for t in threads})
+        lines.append(
+            f"  {spec.name}: {processes} processes, {len(threads)} threads, all on cores "
+            f"{format_cores(spec.cores)}"
+            if not problems
+            else f"  {spec.name}: NOT confined: " + "; ".join(problems[:3])
+        )
+    return "pinning read back from /proc:\n" + "\n".join(lines)
 
 
 async def _serve(topology: Topology, args: argparse.Namespace) -> int:

@@ -7,11 +7,13 @@ worker (role WORKER); each instance forwards to `SchedulerSide` or `WorkerSide`.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -31,6 +33,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+# How often the hooks' own timings go out with the stats. vLLM asks for stats at every
+# engine step (~1000 a second while decode waits for KV), and each one it gets is shipped
+# to the API server's process; transfers and failures still go out at the step they are
+# recorded.
+STATS_EVERY_S = 1.0
+
+
 def log_like_vllm() -> None:
     """kvpush's log records go where vLLM's go - its handler, format and level - so an
     operator sees "released KV of ..." next to vLLM's own lines, with the process that
@@ -46,6 +55,7 @@ def log_like_vllm() -> None:
 
 class KvpushConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
+    _stats_due = 0.0  # monotonic time after which the hook timings go out again
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
@@ -151,8 +161,7 @@ class KvpushConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(
-            set(connector_output.finished_sending or ()),
-            set(connector_output.finished_recving or ()),
+            connector_output.finished_sending or (), connector_output.finished_recving or ()
         )
 
     def has_pending_push_work(self) -> bool:
@@ -193,11 +202,24 @@ class KvpushConnector(KVConnectorBase_V1):
         assert self.worker is not None
         return self.worker.get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s sets as they are (the base class copies them, every step)."""
+        assert self.worker is not None
+        sending, recving = self.worker.get_finished()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
         return self.worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What is new since the last stats: at once when a transfer or failure was
+        recorded, else the hook timings at most every `STATS_EVERY_S` (None between)."""
+        now = time.monotonic()
+        news = self.worker is not None and self.worker.has_news()
+        if now < self._stats_due and not news:
+            return None
+        self._stats_due = now + STATS_EVERY_S
         if self.worker is not None:
             stats = KvpushStats(self.worker.stats_data())
         else:

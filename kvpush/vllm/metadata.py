@@ -14,3 +14,8 @@ class KvpushMetadata(KVConnectorMetadata):
     recv: list[RecvSpec] = field(default_factory=list)
     send: list[SendSpec] = field(default_factory=list)
     aborted: list[AbortSpec] = field(default_factory=list)
+
+
+# What a step with nothing to move ships (most steps): one shared instance, which no one
+# changes (the workers only read their metadata), so such a step allocates nothing.
+EMPTY_METADATA = KvpushMetadata()

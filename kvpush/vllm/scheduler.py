@@ -11,13 +11,14 @@ decode reads from.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvpush.core.protocol import grant
 from kvpush.node.config import KvpushConfig
 from kvpush.node.results import HookTimer
 from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
-from kvpush.vllm.metadata import KvpushMetadata
+from kvpush.vllm.metadata import EMPTY_METADATA, KvpushMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -44,6 +45,9 @@ class SchedulerSide:
         self.port = config.port + dp_index * tp_size
         self.block_size = block_size
         self.timer = HookTimer("scheduler")
+        # the hooks of every step keep their spans
+        self._meta_span = self.timer("build_connector_meta")
+        self._output_span = self.timer("update_connector_output")
         self._recv: list[RecvSpec] = []
         self._send: list[SendSpec] = []
         self._aborted: list[AbortSpec] = []
@@ -131,7 +135,9 @@ class SchedulerSide:
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
-        with self.timer("build_connector_meta"):
+        with self._meta_span:
+            if not (self._recv or self._send or self._aborted):
+                return EMPTY_METADATA  # most steps: nothing to ship, nothing allocated
             meta = KvpushMetadata(self._recv, self._send, self._aborted)
             self._recv, self._send, self._aborted = [], [], []
             return meta
@@ -200,9 +206,9 @@ class SchedulerSide:
             return True, coordinates
 
     def update_connector_output(
-        self, finished_sending: set[str], finished_recving: set[str]
+        self, finished_sending: Iterable[str], finished_recving: Iterable[str]
     ) -> None:
-        with self.timer("update_connector_output"):
+        with self._output_span:
             for request_id in finished_sending:
                 self._sending.pop(request_id, None)
             for request_id in finished_recving:

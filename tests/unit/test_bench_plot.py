@@ -1,4 +1,5 @@
-"""`kvpush bench plot` on a real sweep (tests/data/plan/sweep2): every setup drawn or
+"""`kvpush bench plot` on a real sweep (tests/data/bench/sweep-unpinned: the 2026-11-29
+sweep before pinning, whose stalls and bursts exercise every mark): every setup drawn or
 explained, coalesced points marked, labels inside the panels, every table mark explained,
 the table as CSV, and a one-line error for a broken result file."""
 
@@ -15,19 +16,19 @@ import pytest
 from kvpush.bench import plot, results
 from kvpush.cli import main
 
-SWEEP2 = Path(__file__).parent.parent / "data" / "plan" / "sweep2"
+UNPINNED = Path(__file__).parent.parent / "data" / "bench" / "sweep-unpinned"
 
 
 @pytest.fixture(scope="module")
 def rows() -> list[results.Aggregate]:
-    return results.aggregate(results.load_results(SWEEP2))
+    return results.aggregate(results.load_results(UNPINNED))
 
 
 def test_every_mark_in_the_table_is_explained_under_it(rows: list[results.Aggregate]) -> None:
     text = plot.table(rows)
     body, notes = text.splitlines()[1:25], text.splitlines()[25:]
     used = {mark for mark in plot.FOOTNOTES if any(mark in line for line in body)}
-    assert used == {plot.SHAKY, plot.COALESCED}  # sweep2's vllm-pull stalled in some runs
+    assert used == {plot.SHAKY, plot.COALESCED}  # vllm-pull stalled in some runs
     explained = {line[0] for line in notes if line[:2] in {f"{m}:" for m in plot.FOOTNOTES}}
     assert explained == used
     assert "1 of 3 runs was ok" in text
@@ -94,7 +95,7 @@ def test_the_table_as_csv_on_stdout_and_to_a_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     png = tmp_path / "fig.png"
-    assert main(["bench", "plot", str(SWEEP2), "--png", str(png), "--csv"]) == 0
+    assert main(["bench", "plot", str(UNPINNED), "--png", str(png), "--csv"]) == 0
     captured = capsys.readouterr()
     table = list(csv.DictReader(io.StringIO(captured.out)))
     assert len(table) == 24 and f"figure: {png}" in captured.err
@@ -105,10 +106,10 @@ def test_the_table_as_csv_on_stdout_and_to_a_file(
     assert float(push["ttft_vs_vllm"]) == pytest.approx(124.3 / 5185.6, rel=1e-3)
     assert push["ttft_vs_vllm_shaky"] == "1" and push["ttft_vs_nospin_shaky"] == "0"
     out = tmp_path / "table.csv"
-    assert main(["bench", "plot", str(SWEEP2), "--png", str(png), "--csv", str(out)]) == 0
+    assert main(["bench", "plot", str(UNPINNED), "--png", str(png), "--csv", str(out)]) == 0
     captured = capsys.readouterr()
     assert "TTFT/vLLM" in captured.out and f"table: {out}" in captured.out
-    assert out.read_text() == plot.table_csv(results.aggregate(results.load_results(SWEEP2)))
+    assert out.read_text() == plot.table_csv(results.aggregate(results.load_results(UNPINNED)))
 
 
 @pytest.mark.parametrize(
@@ -124,7 +125,7 @@ def test_the_table_as_csv_on_stdout_and_to_a_file(
 def test_a_broken_result_file_is_one_line_naming_file_and_field(
     change: dict[str, object], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    shutil.copytree(SWEEP2, tmp_path / "sweep")
+    shutil.copytree(UNPINNED, tmp_path / "sweep")
     broken = tmp_path / "sweep" / "vllm-pull_qps2_in256_out32_iter1.json"
     data = json.loads(broken.read_text())
     for key, value in change.items():
@@ -142,7 +143,7 @@ def test_a_broken_result_file_is_one_line_naming_file_and_field(
 
 
 def test_an_unwritable_figure_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "plot", str(SWEEP2), "--png", "/proc/no/fig.png"]) == 2
+    assert main(["bench", "plot", str(UNPINNED), "--png", "/proc/no/fig.png"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.splitlines()) == 1
     assert "cannot write" in captured.err and "--png" in captured.err

@@ -13,8 +13,7 @@ from kvpush.args import attach_dash_values
 from kvpush.cli import build_parser, main
 from kvpush.testbed.up import vllm_args
 
-SWEEP2 = Path(__file__).parent.parent / "data" / "plan" / "sweep2"
-PROFILE = SWEEP2.parent / "profile.json"
+PROFILE = Path(__file__).parent.parent / "data" / "plan" / "profile.json"
 
 
 def commands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:

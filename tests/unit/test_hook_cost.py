@@ -1,0 +1,266 @@
+"""What kvpush's connector hooks cost vLLM's engine loop, per step and per request.
+
+A micro-benchmark, not a check of speed: it calls the hooks in the order vLLM's engine
+calls them in one step (`build_connector_meta`, `has_pending_push_work` and
+`update_connector_output` on the scheduler; `bind_connector_metadata` to
+`clear_connector_metadata`, with the stats, on the worker), through `KvpushConnector` as
+vLLM holds it and through the `kvpush bench hooks` timer (`kvpush.bench.timed`), and prints
+microseconds. Run it with `pytest -s tests/unit/test_hook_cost.py` to see the numbers; its
+asserts are only about what the hooks return. No engine, threads or NIXL: the worker's part
+is a stub inbox, so what is timed is the hooks' own work.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvpush.bench.timed import HookLedger, timed_class
+from kvpush.node.config import KvpushConfig
+from kvpush.node.context import Identity
+from kvpush.node.results import HookTimer, empty_data
+from kvpush.node.specs import RecvSpec
+from kvpush.node.worker import WorkerSide
+from kvpush.vllm import connector as connector_module
+from kvpush.vllm.connector import STATS_EVERY_S, KvpushConnector
+from kvpush.vllm.metadata import EMPTY_METADATA
+from kvpush.vllm.scheduler import SchedulerSide
+from tests.unit.test_vllm_adapter import FakeBlocks, FakeRequest
+
+STEPS = int(os.environ.get("KVPUSH_HOOK_BENCH_STEPS", "5000"))
+REQUESTS = int(os.environ.get("KVPUSH_HOOK_BENCH_REQUESTS", "500"))
+
+
+class StubPart:
+    """The node part's surface the hooks touch: an inbox, and gauges for the stats."""
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue[tuple[object, float]] = queue.SimpleQueue()
+
+    def gauges(self) -> dict[str, float]:
+        return {}
+
+
+@dataclass
+class FakeOutput:
+    """vLLM's KVConnectorOutput, as far as `update_connector_output` reads it."""
+
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+
+
+def connector(cls: type, role: str, timed: bool = False) -> Any:
+    """A connector of class `cls` holding one side, built without a vLLM config."""
+    conn: Any = object.__new__(cls)
+    conn._connector_metadata = None
+    if timed:
+        conn._kvpush_ledger = HookLedger("scheduler" if role == "scheduler" else "worker")
+    if role == "scheduler":
+        conn.scheduler = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
+        conn.worker = None
+    else:
+        conn.scheduler = None
+        conn.worker = WorkerSide(KvpushConfig(), Identity("decode-0", "decode", "tiny", 0, 1))
+        conn.worker.part = StubPart()
+    return conn
+
+
+def engine_step(sched: Any, worker: Any, output: FakeOutput) -> Any:
+    """One engine step's hooks, in vLLM 0.32's order (scheduler, then worker)."""
+    sched.has_pending_push_work()
+    meta = sched.build_connector_meta(None)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    done = worker.get_transfer_results(set())
+    worker.get_block_ids_with_load_errors()
+    worker.get_kv_connector_stats()
+    worker.clear_connector_metadata()
+    output.finished_sending = done.finished_sending
+    output.finished_recving = done.finished_recving
+    sched.update_connector_output(output)
+    sched.get_kv_connector_stats()
+    return done
+
+
+def per_call_us(fn: Callable[[], Any], n: int) -> float:
+    """Best of three runs of `n` calls, in microseconds per call."""
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, time.perf_counter() - started)
+    return best / n * 1e6
+
+
+def push_request(i: int) -> FakeRequest:
+    params = {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "transfer_id": f"t{i}",
+    }
+    return FakeRequest(f"r{i}", list(range(48)), params)
+
+
+@pytest.mark.parametrize("timed", [False, True], ids=["connector", "bench-hooks-timer"])
+def test_hook_cost_per_idle_step(timed: bool) -> None:
+    """An engine step with nothing to move: what decode pays at every step it waits."""
+    cls = timed_class(KvpushConnector) if timed else KvpushConnector
+    sched, worker = connector(cls, "scheduler", timed), connector(cls, "worker", timed)
+    output = FakeOutput()
+    done = engine_step(sched, worker, output)
+    assert not done.finished_sending and not done.finished_recving
+    assert worker.worker.part.inbox.empty()
+
+    def scheduler_only() -> None:
+        sched.has_pending_push_work()
+        sched.build_connector_meta(None)
+        sched.update_connector_output(output)
+        sched.get_kv_connector_stats()
+
+    meta = sched.build_connector_meta(None)
+
+    def worker_only() -> None:
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        worker.get_transfer_results(set())
+        worker.get_block_ids_with_load_errors()
+        worker.get_kv_connector_stats()
+        worker.clear_connector_metadata()
+
+    step = per_call_us(lambda: engine_step(sched, worker, output), STEPS)
+    sched_us = per_call_us(scheduler_only, STEPS)
+    worker_us = per_call_us(worker_only, STEPS)
+    label = "through kvpush.bench.timed" if timed else "KvpushConnector"
+    print(
+        f"\nidle engine step, {label}: {step:.2f} us in all "
+        f"(scheduler {sched_us:.2f} us, worker {worker_us:.2f} us)"
+    )
+    if timed:  # what `kvpush bench hooks` reports: the timer's own totals per step
+        for side in (sched, worker):
+            ledger = side._kvpush_ledger
+            steps = 1 + 6 * STEPS  # the first step, then three runs of two loops each
+            print(
+                f"  {ledger.role} hooks as the timer counts them: "
+                f"{sum(ledger.seconds.values()) / steps * 1e6:.2f} us per step"
+            )
+
+
+def test_hook_cost_per_push_request() -> None:
+    """What one push request adds on decode beyond its steps: matching, allocation, the
+    spec shipped and queued, its completion collected, its end."""
+    sched, worker = connector(KvpushConnector, "scheduler"), connector(KvpushConnector, "worker")
+    output = FakeOutput()
+    requests = [push_request(i) for i in range(REQUESTS)]
+    part = worker.worker.part
+    started = time.perf_counter()
+    for req in requests:
+        assert sched.get_num_new_matched_tokens(req, 0) == (48, True)
+        sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+        engine_step(sched, worker, output)  # the step that ships its RecvSpec
+        item, _ = part.inbox.get_nowait()
+        assert isinstance(item, RecvSpec) and item.request_id == req.request_id
+        worker.worker.results.received(req.request_id)
+        done = engine_step(sched, worker, output)  # the step that collects it
+        assert done.finished_recving == {req.request_id}
+        sched.request_finished(req, [3, 4, 5])
+    took = (time.perf_counter() - started) / REQUESTS * 1e6
+    print(f"\npush request on decode, 2 engine steps and its own hooks: {took:.2f} us")
+    assert not sched.scheduler.has_pending_push_work()
+
+
+def test_timed_wrapper_counts_nested_hooks_once() -> None:
+    """get_transfer_results calls get_finished: the timer counts one call, as before."""
+    cls = timed_class(KvpushConnector)
+    worker = connector(cls, "worker", timed=True)
+    worker.bind_connector_metadata(SimpleNamespace(recv=[], send=[], aborted=[]))
+    worker.get_transfer_results(set())
+    calls = worker._kvpush_ledger.calls
+    assert calls.get("get_transfer_results") == 1 and "get_finished" not in calls
+
+
+# -- what the fast paths keep: the hooks' semantics ------------------------------------
+
+
+def test_a_step_with_nothing_to_ship_gets_the_shared_empty_metadata() -> None:
+    sched = connector(KvpushConnector, "scheduler")
+    first, second = sched.build_connector_meta(None), sched.build_connector_meta(None)
+    assert first is second is EMPTY_METADATA
+    assert (first.recv, first.send, first.aborted) == ([], [], [])
+    req = push_request(1)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+    meta = sched.build_connector_meta(None)
+    assert meta is not EMPTY_METADATA and [s.request_id for s in meta.recv] == ["r1"]
+    assert sched.build_connector_meta(None) is EMPTY_METADATA
+    assert EMPTY_METADATA.recv == []  # shipping a spec never touched the shared one
+
+
+def test_finished_sets_are_fresh_each_step_even_when_empty() -> None:
+    worker = connector(KvpushConnector, "worker")
+    a, b = worker.get_transfer_results(set()), worker.get_transfer_results(set())
+    assert a.finished_recving == set() and a.finished_recving is not b.finished_recving
+    worker.worker.results.received("r1", failed_blocks=(7,))
+    assert worker.get_transfer_results(set()).finished_recving == {"r1"}
+    assert worker.get_block_ids_with_load_errors() == {7}
+    assert worker.get_transfer_results(set()).finished_recving == set()
+    assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_stats_carry_transfers_at_once_and_hook_timings_at_most_every_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(connector_module.time, "monotonic", lambda: clock[0])
+    worker = connector(KvpushConnector, "worker")
+    worker.bind_connector_metadata(EMPTY_METADATA)
+    worker.start_load_kv(None)
+    first = worker.get_kv_connector_stats()  # the first call sends what the hooks cost
+    assert first is not None and first.data["hook_calls"] == {"worker.start_load_kv": 1}
+    for _ in range(5):
+        worker.start_load_kv(None)
+        assert worker.get_kv_connector_stats() is None  # only timings: held back
+    worker.worker.results.observe(bytes=4096.0, write_s=0.001)
+    news = worker.get_kv_connector_stats()  # a transfer: at once, with the timings so far
+    assert news is not None and news.data["bytes"] == [4096.0]
+    assert news.data["hook_calls"] == {"worker.start_load_kv": 5}
+    worker.start_load_kv(None)
+    assert worker.get_kv_connector_stats() is None
+    clock[0] += STATS_EVERY_S
+    later = worker.get_kv_connector_stats()
+    assert later is not None and later.data["hook_calls"] == {"worker.start_load_kv": 1}
+    sched = connector(KvpushConnector, "scheduler")
+    sched.build_connector_meta(None)
+    stats = sched.get_kv_connector_stats()
+    assert stats is not None and stats.data["hook_calls"] == {"scheduler.build_connector_meta": 1}
+    sched.build_connector_meta(None)
+    assert sched.get_kv_connector_stats() is None
+    clock[0] += STATS_EVERY_S
+    assert sched.get_kv_connector_stats() is not None
+
+
+def test_hook_timer_spans_add_up_and_drain_once() -> None:
+    timer = HookTimer("worker")
+    span = timer("get_finished")
+    assert timer("get_finished") is span
+    for _ in range(3):
+        with span:
+            pass
+    data = empty_data()
+    timer.drain(data)
+    assert data["hook_calls"] == {"worker.get_finished": 3}
+    assert data["hook_s"]["worker.get_finished"] >= 0
+    again = empty_data()
+    timer.drain(again)
+    assert again["hook_calls"] == {} and again["hook_s"] == {}
