@@ -20,7 +20,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpush.node.config import ROLES, KvpushConfig
 from kvpush.node.context import Identity
 from kvpush.node.worker import WorkerSide
-from kvpush.vllm.layout import describe_kv_caches, kv_cache_facts
+from kvpush.vllm.layout import (
+    TOKEN_PLANE_BACKENDS,
+    UnsupportedKVCache,
+    describe_kv_caches,
+    kv_cache_facts,
+)
 from kvpush.vllm.metadata import KvpushMetadata
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KvpushPromMetrics, KvpushStats
@@ -172,7 +177,7 @@ class KvpushConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self.worker is not None
         name = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
-        layout, memory = describe_kv_caches(self.facts, kv_caches, name)
+        layout, memory = describe_kv_caches(self.facts, kv_caches, name, self._token_planes())
         first = kv_caches[self.facts.layer_names[0]]
         on_gpu = first.device.type == "cuda"
         self.worker.start(
@@ -182,6 +187,20 @@ class KvpushConnector(KVConnectorBase_V1):
             mem="VRAM" if on_gpu else "DRAM",
             device=first.device.index or 0,
         )
+
+    def _token_planes(self) -> bool:
+        """Whether the attention backend of the transferred layers keeps K and V as token
+        planes inside each head's block (vLLM's CPU attention), as vLLM reports it."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        backends = get_current_attn_backends(self._vllm_config, list(self.facts.layer_names))
+        names = {backend.get_name() for backend in backends}
+        if len(names) > 1 and names & set(TOKEN_PLANE_BACKENDS):
+            raise UnsupportedKVCache(
+                f"the transferred layers use several attention backends ({sorted(names)}); "
+                "kvpush needs one block layout for all of them"
+            )
+        return not self.facts.mla and bool(names & set(TOKEN_PLANE_BACKENDS))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None

@@ -109,14 +109,25 @@ def kv_cache_facts(
     )
 
 
+# Attention backends whose kernels split each head's block interior into a K plane of
+# every token followed by a V plane, whatever the view's [tokens, content] says: vLLM's CPU
+# attention views a layer as [blocks, heads, 2 * block tokens, head size] and takes the
+# first half of the rows as K, the second as V.
+TOKEN_PLANE_BACKENDS = ("CPU_ATTN",)
+
+
 def describe_kv_caches(
-    facts: KVCacheFacts, kv_caches: dict[str, Any], layout_name: str
+    facts: KVCacheFacts, kv_caches: dict[str, Any], layout_name: str, planes: bool = False
 ) -> tuple[KVLayout, tuple[tuple[int, int], ...]]:
     """One region per transferable layer, in vLLM's layer order, plus the memory to
     register with NIXL (the backing storage of the views).
 
     `kv_caches` are the per-layer views vLLM hands `register_kv_caches`; `layout_name`
-    is vLLM's resolved KV cache layout, which the views' strides must follow.
+    is vLLM's resolved KV cache layout, which the views' strides must follow. With
+    `planes` (the attention backend is one of TOKEN_PLANE_BACKENDS) each layer is two
+    regions, its K plane and its V plane, each token's piece half the content: a block
+    moved in part (other block sizes on the other side, a prefix-cache tail) then moves
+    K and V of the same tokens, not the rows the view calls tokens.
     """
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -160,7 +171,15 @@ def describe_kv_caches(
                 f"the KV cache view of {name} has strides {tuple(view.stride())}, which do "
                 f"not follow vLLM's resolved KV cache layout {layout_name}"
             )
+        if planes and (facts.mla or content % 2 or strides[1] != tokens * strides[2]):
+            raise UnsupportedKVCache(
+                f"the KV cache view of {name} (shape {tuple(view.shape)}, strides "
+                f"{tuple(view.stride())}) does not hold one K plane and one V plane per "
+                "head and block, as vLLM's CPU attention reads it"
+            )
         bases.append(view.data_ptr())
+        if planes:  # the V plane follows the K plane of the same head and block
+            bases.append(view.data_ptr() + tokens * strides[2] // 2)
         geometry.add((blocks, tokens, *strides[:3]))
         storage = view.untyped_storage()
         memory[storage.data_ptr()] = storage.nbytes()
@@ -169,16 +188,17 @@ def describe_kv_caches(
             f"the KV cache views of the layers differ in blocks or strides: {sorted(geometry)}"
         )
     ((blocks, tokens, block_stride, head_stride, token_stride),) = geometry
+    split = 2 if planes else 1
     try:
         layout = KVLayout(
             region_bases=tuple(bases),
             num_blocks=blocks,
             block_size=tokens,
             num_heads=facts.num_heads,
-            unit_bytes=facts.unit_bytes,
+            unit_bytes=facts.unit_bytes // split,
             block_stride=block_stride,
             head_stride=head_stride,
-            token_stride=token_stride,
+            token_stride=token_stride // split,
             total_heads=facts.total_heads,
             sub_blocks=facts.block_size // tokens,
         )

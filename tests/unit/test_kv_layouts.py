@@ -266,3 +266,26 @@ def test_every_layout_is_covered() -> None:
         "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"
     }  # fmt: skip
     assert len(list(itertools.product(LAYOUTS, SPECS))) == 60
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_cpu_attention_token_planes_address_the_k_and_v_the_kernel_reads(block_size: int) -> None:
+    """vLLM's CPU attention reads a layer as [blocks, heads, 2 x tokens, head size] and
+    takes the first half of the rows as K, the second as V. With `planes`, kvpush's layout
+    puts token t's K and V where that kernel reads them (and moving only some tokens of a
+    block, as between different block sizes, moves K and V of those tokens)."""
+    cache = build(attention(block_size=block_size, heads=4, head_size=64), KVCacheLayout.LBHNC)
+    layout, _ = describe_kv_caches(cache.facts, cache.views, "LBHNC", planes=True)
+    assert layout.num_regions == 2 * len(cache.facts.layer_names)
+    for index, name in enumerate(cache.facts.layer_names):
+        view = cache.views[name]
+        blocks, heads, tokens, _ = view.shape
+        key, value = view.view(blocks, heads, tokens * 2, -1).chunk(2, dim=2)  # as the kernel
+        corners = itertools.product((0, blocks - 1), (0, heads - 1), (0, 5, tokens - 1))
+        for block, head, token in corners:
+            for plane, tensor in ((0, key), (1, value)):
+                want = tensor[block, head, token].data_ptr()
+                got = (layout.region_bases[2 * index + plane] + block * layout.block_stride
+                       + head * layout.head_stride + token * layout.token_stride)  # fmt: skip
+                assert got == want, (name, block, head, token, plane)
+        assert layout.unit_bytes == key[0, 0, 0].numel() * key.element_size()
