@@ -159,7 +159,7 @@ class WorkerSide:
         except OSError as exc:
             raise listen_failed(exc, config.listen_host, config.host) from exc
         log.info(
-            "kvpush %s worker %d/%d: %d layers x %d blocks of %d tokens, %d of %d KV heads "
+            "kvpush %s worker %d/%d: %d KV regions x %d blocks of %d tokens, %d of %d KV heads "
             "(%s), control on %s:%d (listening on %s)",
             ident.role,
             ident.tp_rank,
