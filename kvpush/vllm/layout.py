@@ -112,7 +112,9 @@ def kv_cache_facts(
 # Attention backends whose kernels split each head's block interior into a K plane of
 # every token followed by a V plane, whatever the view's [tokens, content] says: vLLM's CPU
 # attention views a layer as [blocks, heads, 2 * block tokens, head size] and takes the
-# first half of the rows as K, the second as V.
+# first half of the rows as K, the second as V. Its kernels pack the K plane further (the
+# "vec" ones store it transposed, head size x tokens), so only whole blocks move right
+# there: README, "Known wrong on vLLM's CPU backend".
 TOKEN_PLANE_BACKENDS = ("CPU_ATTN",)
 
 
@@ -125,9 +127,9 @@ def describe_kv_caches(
     `kv_caches` are the per-layer views vLLM hands `register_kv_caches`; `layout_name`
     is vLLM's resolved KV cache layout, which the views' strides must follow. With
     `planes` (the attention backend is one of TOKEN_PLANE_BACKENDS) each layer is two
-    regions, its K plane and its V plane, each token's piece half the content: a block
-    moved in part (other block sizes on the other side, a prefix-cache tail) then moves
-    K and V of the same tokens, not the rows the view calls tokens.
+    regions, its K plane and its V plane, each token's piece half the content (the V
+    plane's tokens are then where the kernel keeps them; the K plane's are not, see
+    TOKEN_PLANE_BACKENDS).
     """
     from vllm.v1.kv_cache_layout import KVCacheLayout
 

@@ -269,11 +269,13 @@ def test_every_layout_is_covered() -> None:
 
 
 @pytest.mark.parametrize("block_size", [32, 64])
-def test_cpu_attention_token_planes_address_the_k_and_v_the_kernel_reads(block_size: int) -> None:
-    """vLLM's CPU attention reads a layer as [blocks, heads, 2 x tokens, head size] and
-    takes the first half of the rows as K, the second as V. With `planes`, kvpush's layout
-    puts token t's K and V where that kernel reads them (and moving only some tokens of a
-    block, as between different block sizes, moves K and V of those tokens)."""
+def test_cpu_attention_token_planes_address_the_k_and_v_planes_of_its_view(
+    block_size: int,
+) -> None:
+    """vLLM's CPU attention views a layer as [blocks, heads, 2 x tokens, head size] and
+    takes the first half of the rows as its K plane, the second as its V plane. With
+    `planes`, kvpush's regions are those planes, row for row (how the kernels pack a K
+    plane inside is theirs: README, "Known wrong on vLLM's CPU backend")."""
     cache = build(attention(block_size=block_size, heads=4, head_size=64), KVCacheLayout.LBHNC)
     layout, _ = describe_kv_caches(cache.facts, cache.views, "LBHNC", planes=True)
     assert layout.num_regions == 2 * len(cache.facts.layer_names)
