@@ -114,7 +114,7 @@ def kv_cache_facts(
 # attention views a layer as [blocks, heads, 2 * block tokens, head size] and takes the
 # first half of the rows as K, the second as V. Its kernels pack the K plane further (the
 # "vec" ones store it transposed, head size x tokens), so only whole blocks move right
-# there: README, "Known wrong on vLLM's CPU backend".
+# there: README, "What kvpush supports".
 TOKEN_PLANE_BACKENDS = ("CPU_ATTN",)
 
 

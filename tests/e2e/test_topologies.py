@@ -19,8 +19,8 @@ backend takes block sizes in multiples of 32 (its kernels' `MultipleOf(32)`); th
 float32 so that TP's split sums round as one server's do.
 
 The default run takes 2p2d in push mode. blocks-32-to-64 and the TP cases answer wrong
-text on vLLM's CPU backend, whose kernels pack each block their own way (README, "Known
-wrong on vLLM's CPU backend"): they stay here, run by name, to show it and to pass once
+text on vLLM's CPU backend, whose kernels pack each block their own way (README, "What
+kvpush supports"): they stay here, run by name, to show it and to pass once
 kvpush reads CPU blocks as the kernel packs them; KVPUSH_TOPOLOGIES=all runs every case in both
 modes, KVPUSH_TOPOLOGIES=2p2d,tp2-to-tp1:kvpush-pull the ones named (a bare case name: both
 modes).

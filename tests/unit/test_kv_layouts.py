@@ -275,7 +275,7 @@ def test_cpu_attention_token_planes_address_the_k_and_v_planes_of_its_view(
     """vLLM's CPU attention views a layer as [blocks, heads, 2 x tokens, head size] and
     takes the first half of the rows as its K plane, the second as its V plane. With
     `planes`, kvpush's regions are those planes, row for row (how the kernels pack a K
-    plane inside is theirs: README, "Known wrong on vLLM's CPU backend")."""
+    plane inside is theirs: README, "What kvpush supports")."""
     cache = build(attention(block_size=block_size, heads=4, head_size=64), KVCacheLayout.LBHNC)
     layout, _ = describe_kv_caches(cache.facts, cache.views, "LBHNC", planes=True)
     assert layout.num_regions == 2 * len(cache.facts.layer_names)
