@@ -5,6 +5,9 @@ frames and appends each new payload byte to its flow, (source, source port, dest
 destination port), skipping what was seen before (retransmissions, and the same packet
 seen on two interfaces of one bridge). Enough to ask "did this string cross, and in which
 direction", not a general TCP reassembler: on a local bridge segments arrive in order.
+A busy host can still drop frames before the thread reads them (the socket's buffer
+fills): the stream then goes on past the hole, and `sizes` counts the bytes each flow
+carried by TCP's sequence numbers, holes included.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 ETH_P_ALL = 0x0003
 ETH_P_IP = 0x0800
+SO_RCVBUFFORCE = 33  # Linux; Python's socket module does not name it
 KEEP = 16 << 20  # bytes kept per flow (KV moves by UCX in flows of their own)
 
 Flow = tuple[str, int, str, int]  # source, source port, destination, destination port
@@ -27,6 +31,8 @@ Flow = tuple[str, int, str, int]  # source, source port, destination, destinatio
 class _Stream:
     data: bytearray = field(default_factory=bytearray)
     end: int | None = None  # sequence number after the last byte appended
+    seen: int = 0  # payload bytes taken (data keeps the first KEEP of them)
+    missed: int = 0  # bytes of the flow in frames the capture never saw
 
 
 class Capture(threading.Thread):
@@ -38,7 +44,10 @@ class Capture(threading.Thread):
         for name in interfaces:
             sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
             sock.bind((name, 0))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            try:  # root may go past net.core.rmem_max
+                sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 32 << 20)
+            except OSError:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
             self.socks.append(sock)
         self._streams: dict[Flow, _Stream] = {}
         self._lock = threading.Lock()
@@ -84,19 +93,28 @@ class Capture(threading.Thread):
         with self._lock:
             stream = self._streams.setdefault((src, sport, dst, dport), _Stream())
             if stream.end is not None:
-                new = (seq + len(payload) - stream.end) % 2**32
-                if new == 0 or new > len(payload):  # nothing new (or far out of order)
-                    return
-                payload = payload[len(payload) - new :]
-            stream.end = (seq + len(payload)) % 2**32 if stream.end is None else (
-                (stream.end + len(payload)) % 2**32
-            )
+                ahead = (seq - stream.end) % 2**32
+                if ahead < 2**31:  # at the end, or past it: frames in between were missed
+                    stream.missed += ahead
+                else:  # starts before the end: a retransmission, or the same frame again
+                    new = (seq + len(payload) - stream.end) % 2**32
+                    if new == 0 or new >= 2**31 or new > len(payload):
+                        return
+                    payload = payload[len(payload) - new :]
+                    seq = stream.end
+            stream.end = (seq + len(payload)) % 2**32
             if len(stream.data) < KEEP:
                 stream.data += payload[: KEEP - len(stream.data)]
+            stream.seen += len(payload)
 
     def flows(self) -> dict[Flow, bytes]:
         with self._lock:
             return {flow: bytes(s.data) for flow, s in self._streams.items()}
+
+    def sizes(self) -> dict[Flow, int]:
+        """Bytes each flow carried so far, by sequence number (frames missed included)."""
+        with self._lock:
+            return {flow: s.seen + s.missed for flow, s in self._streams.items()}
 
     def between(self, ports: Iterable[int]) -> dict[Flow, bytes]:
         """The flows with one of `ports` at either end."""
