@@ -6,12 +6,17 @@ import heapq
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
+import weakref
 
 from kvpush.node.results import Results
 
 log = logging.getLogger("kvpush.worker")
+
+STALL_S = 2.0  # one step of a loop longer than this is logged, with where it is stuck
 
 
 class Loop(threading.Thread):
@@ -24,6 +29,11 @@ class Loop(threading.Thread):
         self._later: list[tuple[float, int, object, float]] = []
         self._seq = itertools.count()
         self._stopping = False
+        self.busy_since = 0.0  # when the step under way began (0: waiting for work)
+
+    def start(self) -> None:
+        super().start()
+        _Watchdog.watch(self)
 
     def stop(self) -> None:
         self._stopping = True
@@ -44,6 +54,7 @@ class Loop(threading.Thread):
                 item, at = self.inbox.get(timeout=self.wait_time())
             except queue.Empty:
                 item, at = None, 0.0
+            self.busy_since = time.monotonic()
             try:
                 if item is not None:
                     self.handle(item, at)
@@ -54,6 +65,8 @@ class Loop(threading.Thread):
             except Exception:  # a bug must not kill the thread silently
                 log.exception("%s: unexpected error", self.name)
                 self.results.count("failures", "internal_error")
+            finally:
+                self.busy_since = 0.0
 
     def wait_time(self) -> float | None:
         """How long to wait for the next item: until the next deadline (None: no limit)."""
@@ -72,3 +85,45 @@ class Loop(threading.Thread):
 
     def gauges(self) -> dict[str, float]:
         return {}
+
+
+class _Watchdog(threading.Thread):
+    """One per process: logs a loop whose step has run past STALL_S, with its stack.
+
+    A loop's deadlines only fire between steps, so a call that blocks (into NIXL, say)
+    would hold back every timeout on that thread; this says so in the log, where it is.
+    """
+
+    _instance: _Watchdog | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        super().__init__(name="kvpush-watchdog", daemon=True)
+        self.loops: weakref.WeakSet[Loop] = weakref.WeakSet()
+
+    @classmethod
+    def watch(cls, loop: Loop) -> None:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+                cls._instance.start()
+            cls._instance.loops.add(loop)
+
+    def run(self) -> None:
+        reported: dict[str, float] = {}
+        while True:
+            time.sleep(STALL_S / 2)
+            now = time.monotonic()
+            for loop in list(self.loops):
+                since = loop.busy_since
+                if not since or now - since < STALL_S or reported.get(loop.name) == since:
+                    continue
+                reported[loop.name] = since
+                frame = sys._current_frames().get(loop.ident or -1)
+                where = "".join(traceback.format_stack(frame)[-8:]) if frame else "?"
+                log.warning(
+                    "%s: one step has run %.1f s (its deadlines wait for it); it is at:\n%s",
+                    loop.name,
+                    now - since,
+                    where,
+                )

@@ -437,3 +437,34 @@ def test_a_cancel_is_acknowledged_at_its_senders_own_address_only(
                 time.sleep(0.01)
         time.sleep(0.2)
     assert elsewhere == [], "prefill sent to an address a message named"
+
+
+def test_a_loop_step_that_blocks_is_logged_with_where_it_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A loop's deadlines fire between steps only: a step stuck in a call (into NIXL, say)
+    is named in the log with its stack, once per stall."""
+    from kvpush.node import loop as loop_module
+    from kvpush.node.results import Results
+
+    class Stuck(loop_module.Loop):
+        def next_deadline(self) -> float | None:
+            return None
+
+        def handle(self, item: object, at: float) -> None:
+            time.sleep(loop_module.STALL_S * 1.8)  # stands in for a call that blocks
+
+        def tick(self) -> None:
+            return None
+
+    stuck = Stuck(Results(), "stuck-loop")
+    stuck.start()
+    try:
+        with caplog.at_level("WARNING", logger="kvpush.worker"):
+            stuck.enqueue("go")
+            time.sleep(loop_module.STALL_S * 2.2)
+    finally:
+        stuck.stop()
+    stalls = [r.getMessage() for r in caplog.records if "one step has run" in r.getMessage()]
+    assert len(stalls) == 1, stalls
+    assert stalls[0].startswith("stuck-loop:") and "in handle" in stalls[0], stalls[0]
