@@ -110,6 +110,7 @@ def build(
     cache_dtype: str = "auto",
     num_blocks: int = 6,
     layers: int = 3,
+    packed: bool = False,
 ) -> Cache:
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     vllm_config = SimpleNamespace(
@@ -134,7 +135,7 @@ def build(
         model_kv_heads=model_kv_heads or spec.num_kv_heads * tp_size,
         cache_dtype=cache_dtype,
     )
-    described, memory = describe_kv_caches(facts, views, layout.name)
+    described, memory = describe_kv_caches(facts, views, layout.name, packed)
     return Cache(config, views, facts, described, memory, spec.block_size // kernel, layout.name)
 
 

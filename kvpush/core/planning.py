@@ -44,6 +44,11 @@ class KVLayout:
     `unit_bytes` long. Blocks are the attention kernel's; one block id of vLLM's scheduler
     covers `sub_blocks` consecutive ones (vLLM splits a scheduler block into kernel blocks
     when the backend needs smaller ones).
+
+    `whole_blocks`: the attention kernel packs each head's block its own way, so the
+    cells above locate a head's block but not the tokens inside it (vLLM's CPU attention
+    stores a block's K transposed, head size x tokens, then its V). Such blocks only move
+    whole, between sides with the same block size.
     """
 
     region_bases: tuple[int, ...]
@@ -56,6 +61,7 @@ class KVLayout:
     token_stride: int
     total_heads: int
     sub_blocks: int = 1
+    whole_blocks: bool = False
 
     def __post_init__(self) -> None:
         if not self.region_bases:
@@ -313,6 +319,19 @@ def check_mappable(
                 f"{name} holds {layout.num_heads} KV heads per rank, but {layout.total_heads} "
                 f"heads over TP {tp} give {heads_per_rank(layout.total_heads, tp)}"
             )
+    if a.whole_blocks != b.whole_blocks:
+        packed, plain = (a_name, b_name) if a.whole_blocks else (b_name, a_name)
+        return (
+            f"{packed}'s attention backend packs the tokens of each KV block its own way "
+            f"(vLLM's CPU attention) and {plain}'s does not: run both sides on the same "
+            "attention backend"
+        )
+    if a.whole_blocks and a.block_size != b.block_size:
+        return (
+            f"{a_name} has KV blocks of {a.block_size} tokens, {b_name} of {b.block_size}, "
+            "and vLLM's CPU attention packs the tokens of each block its own way, so its "
+            "blocks only move whole: serve both sides with the same --block-size"
+        )
     if _interior(a) is not None and _interior(b) is not None and a.head_major != b.head_major:
         order = {True: "head-major (HND)", False: "token-major (NHD)"}
         return (
@@ -348,7 +367,8 @@ def plan_transfer(
     Each side's block list begins with the scheduler block that holds `first_token` on
     that side (a decode with a prefix-cache hit lists only its uncached tail). Only the
     heads `sources` assigns to this rank pair move. Block ids beyond what the tokens need
-    are ignored, and nothing outside the needed destination cells is written.
+    are ignored, and nothing outside the needed destination cells is written (with
+    `whole_blocks` layouts: outside the blocks that hold the tokens, each moved whole).
     """
     problem = check_mappable(src, dst, src_tp, dst_tp)
     if problem:
@@ -367,6 +387,9 @@ def plan_transfer(
             f"{dst_rank}/{dst_tp}; plan only for pairs from sources()"
         )
     first, end = heads[src_rank]
+    if src.whole_blocks and first_token < num_tokens:  # check_mappable: both, same size
+        size = src.block_size
+        first_token, num_tokens = first_token // size * size, -(-num_tokens // size) * size
     pattern = _region_pattern(
         _Side.of(src, "source", src_blocks, src_rank, src_tp, first, first_token, num_tokens),
         _Side.of(dst, "destination", dst_blocks, dst_rank, dst_tp, first, first_token, num_tokens),

@@ -37,7 +37,7 @@ import msgpack
 
 from kvpush.core.planning import KVLayout, PlanError, check_mappable
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"KP"
 GREETING_MAGIC = b"KPHI"
 MAC_SIZE = 32
@@ -171,6 +171,7 @@ _LAYOUT_FIELDS: tuple[Check, ...] = (
     _int(1, I63_MAX),  # token_stride
     _int(1, MAX_TP * 1024),  # total_heads
     _int(1, 1 << 20),  # sub_blocks
+    _bool,  # whole_blocks
 )
 
 

@@ -330,6 +330,7 @@ def same_shape(a: KVLayout, b: KVLayout) -> bool:
         a.num_regions == b.num_regions
         and a.block_size == b.block_size
         and a.sub_blocks == b.sub_blocks
+        and a.whole_blocks == b.whole_blocks
         and a.num_heads == b.num_heads
         and a.total_heads == b.total_heads
         and a.unit_bytes == b.unit_bytes

@@ -21,7 +21,7 @@ from kvpush.node.config import ROLES, KvpushConfig
 from kvpush.node.context import Identity
 from kvpush.node.worker import WorkerSide
 from kvpush.vllm.layout import (
-    TOKEN_PLANE_BACKENDS,
+    PACKED_BLOCK_BACKENDS,
     UnsupportedKVCache,
     describe_kv_caches,
     kv_cache_facts,
@@ -177,7 +177,7 @@ class KvpushConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self.worker is not None
         name = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
-        layout, memory = describe_kv_caches(self.facts, kv_caches, name, self._token_planes())
+        layout, memory = describe_kv_caches(self.facts, kv_caches, name, self._packed_blocks())
         first = kv_caches[self.facts.layer_names[0]]
         on_gpu = first.device.type == "cuda"
         self.worker.start(
@@ -188,19 +188,19 @@ class KvpushConnector(KVConnectorBase_V1):
             device=first.device.index or 0,
         )
 
-    def _token_planes(self) -> bool:
-        """Whether the attention backend of the transferred layers keeps K and V as token
-        planes inside each head's block (vLLM's CPU attention), as vLLM reports it."""
+    def _packed_blocks(self) -> bool:
+        """Whether the attention backend of the transferred layers packs each head's block
+        its own way (vLLM's CPU attention), as vLLM reports it."""
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
         backends = get_current_attn_backends(self._vllm_config, list(self.facts.layer_names))
         names = {backend.get_name() for backend in backends}
-        if len(names) > 1 and names & set(TOKEN_PLANE_BACKENDS):
+        if len(names) > 1 and names & set(PACKED_BLOCK_BACKENDS):
             raise UnsupportedKVCache(
                 f"the transferred layers use several attention backends ({sorted(names)}); "
                 "kvpush needs one block layout for all of them"
             )
-        return not self.facts.mla and bool(names & set(TOKEN_PLANE_BACKENDS))
+        return not self.facts.mla and bool(names & set(PACKED_BLOCK_BACKENDS))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None

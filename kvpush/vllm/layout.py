@@ -109,27 +109,23 @@ def kv_cache_facts(
     )
 
 
-# Attention backends whose kernels split each head's block interior into a K plane of
-# every token followed by a V plane, whatever the view's [tokens, content] says: vLLM's CPU
-# attention views a layer as [blocks, heads, 2 * block tokens, head size] and takes the
-# first half of the rows as K, the second as V. Its kernels pack the K plane further (the
-# "vec" ones store it transposed, head size x tokens), so only whole blocks move right
-# there: README, "What kvpush supports".
-TOKEN_PLANE_BACKENDS = ("CPU_ATTN",)
+# Attention backends whose kernels pack the tokens of each head's block their own way,
+# whatever the view's [tokens, content] says: vLLM's CPU attention views a layer as
+# [blocks, heads, 2 * block tokens, head size] and stores the K half transposed (head size
+# x tokens, on its "vec" kernels) ahead of the V half. kvpush moves such blocks whole.
+PACKED_BLOCK_BACKENDS = ("CPU_ATTN",)
 
 
 def describe_kv_caches(
-    facts: KVCacheFacts, kv_caches: dict[str, Any], layout_name: str, planes: bool = False
+    facts: KVCacheFacts, kv_caches: dict[str, Any], layout_name: str, packed: bool = False
 ) -> tuple[KVLayout, tuple[tuple[int, int], ...]]:
     """One region per transferable layer, in vLLM's layer order, plus the memory to
     register with NIXL (the backing storage of the views).
 
     `kv_caches` are the per-layer views vLLM hands `register_kv_caches`; `layout_name`
     is vLLM's resolved KV cache layout, which the views' strides must follow. With
-    `planes` (the attention backend is one of TOKEN_PLANE_BACKENDS) each layer is two
-    regions, its K plane and its V plane, each token's piece half the content (the V
-    plane's tokens are then where the kernel keeps them; the K plane's are not, see
-    TOKEN_PLANE_BACKENDS).
+    `packed` (the attention backend is one of PACKED_BLOCK_BACKENDS) a head's block is one
+    opaque run of the view's size, and the layout says its blocks move only whole.
     """
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -173,15 +169,13 @@ def describe_kv_caches(
                 f"the KV cache view of {name} has strides {tuple(view.stride())}, which do "
                 f"not follow vLLM's resolved KV cache layout {layout_name}"
             )
-        if planes and (facts.mla or content % 2 or strides[1] != tokens * strides[2]):
+        if packed and (facts.mla or strides[1] != tokens * strides[2]):
             raise UnsupportedKVCache(
                 f"the KV cache view of {name} (shape {tuple(view.shape)}, strides "
-                f"{tuple(view.stride())}) does not hold one K plane and one V plane per "
-                "head and block, as vLLM's CPU attention reads it"
+                f"{tuple(view.stride())}) does not keep each head's block in one run, as "
+                "vLLM's CPU attention packs it"
             )
         bases.append(view.data_ptr())
-        if planes:  # the V plane follows the K plane of the same head and block
-            bases.append(view.data_ptr() + tokens * strides[2] // 2)
         geometry.add((blocks, tokens, *strides[:3]))
         storage = view.untyped_storage()
         memory[storage.data_ptr()] = storage.nbytes()
@@ -190,19 +184,19 @@ def describe_kv_caches(
             f"the KV cache views of the layers differ in blocks or strides: {sorted(geometry)}"
         )
     ((blocks, tokens, block_stride, head_stride, token_stride),) = geometry
-    split = 2 if planes else 1
     try:
         layout = KVLayout(
             region_bases=tuple(bases),
             num_blocks=blocks,
             block_size=tokens,
             num_heads=facts.num_heads,
-            unit_bytes=facts.unit_bytes // split,
+            unit_bytes=facts.unit_bytes,
             block_stride=block_stride,
             head_stride=head_stride,
-            token_stride=token_stride // split,
+            token_stride=token_stride,
             total_heads=facts.total_heads,
             sub_blocks=facts.block_size // tokens,
+            whole_blocks=packed,
         )
     except PlanError as exc:
         raise UnsupportedKVCache(f"the KV cache views of vLLM make no valid layout: {exc}") from exc

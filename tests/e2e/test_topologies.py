@@ -3,12 +3,14 @@
 Each case is one `kvpush up` command line (as a user starts it) per mode, one deployment
 at a time, next to a plain vLLM server as the reference:
 
-- blocks-32-to-64: prefill with 32-token blocks -> decode with 64-token blocks (a decode
-  block gathers two prefill blocks: a wrong reading of the block interior shows here);
-- tp1-to-tp2: prefill TP 1 with 32-token blocks -> decode TP 2 with 64-token blocks (one
-  prefill rank writes both decode ranks, each its own heads; block sizes differ);
-- tp2-to-tp1: prefill TP 2 with 64-token blocks -> decode TP 1 with 32-token blocks (the
-  decode rank gathers its heads from both prefill ranks);
+- blocks-32-to-64: prefill with 32-token blocks -> decode with 64-token blocks. vLLM's CPU
+  attention packs each block its own way (K transposed), so kvpush moves CPU blocks only
+  whole: the handshake refuses the pair, every request fails at once with an error, and
+  the logs name the fix (the same --block-size on both sides);
+- tp1-to-tp2: prefill TP 1 -> decode TP 2 (one prefill rank sends both decode ranks, each
+  its own heads, whole blocks of the heads it needs; the last one partly filled);
+- tp2-to-tp1: prefill TP 2 -> decode TP 1 (the decode rank gathers its heads from both
+  prefill ranks);
 - 2p2d: two prefills and two decodes behind the proxy; a burst spreads over both decodes;
 - decode-dp2: decode runs two data-parallel engines (their own control ports and engine
   ids); requests reach both.
@@ -18,12 +20,9 @@ counter must grow by the prompt's tokens, and no kvpush failure may be counted. 
 backend takes block sizes in multiples of 32 (its kernels' `MultipleOf(32)`); the model is
 float32 so that TP's split sums round as one server's do.
 
-The default run takes 2p2d in push mode. blocks-32-to-64 and the TP cases answer wrong
-text on vLLM's CPU backend, whose kernels pack each block their own way (README, "What
-kvpush supports"): they stay here, run by name, to show it and to pass once
-kvpush reads CPU blocks as the kernel packs them; KVPUSH_TOPOLOGIES=all runs every case in both
-modes, KVPUSH_TOPOLOGIES=2p2d,tp2-to-tp1:kvpush-pull the ones named (a bare case name: both
-modes).
+The default run takes 2p2d in push mode (about 4 minutes); KVPUSH_TOPOLOGIES=all runs
+every case in both modes, KVPUSH_TOPOLOGIES=2p2d,tp2-to-tp1:kvpush-pull the ones named (a
+bare case name: both modes).
 """
 
 from __future__ import annotations
@@ -72,22 +71,18 @@ class Case:
     prefills: int = 1
     decodes: int = 1
     workers: int = 2  # control ports all servers' workers take
+    refused: str = ""  # kvpush refuses the pair: what the servers' logs must say
 
 
 # A TP 2 or DP 2 server takes both cores of a 2-core machine, the other server's too:
 # pinning it onto them would only starve that server (--no-pin, as the issue allows).
 CASES = {
-    "blocks-32-to-64": Case(("--prefill-block-size", "32", "--decode-block-size", "64")),
-    "tp1-to-tp2": Case(
-        ("--decode-tp", "2", "--prefill-block-size", "32", "--decode-block-size", "64",
-         "--no-pin"),
-        workers=3,
-    ),  # fmt: skip
-    "tp2-to-tp1": Case(
-        ("--prefill-tp", "2", "--prefill-block-size", "64", "--decode-block-size", "32",
-         "--no-pin"),
-        workers=3,
-    ),  # fmt: skip
+    "blocks-32-to-64": Case(
+        ("--prefill-block-size", "32", "--decode-block-size", "64"),
+        refused="serve both sides with the same --block-size",
+    ),
+    "tp1-to-tp2": Case(("--decode-tp", "2", "--no-pin"), workers=3),
+    "tp2-to-tp1": Case(("--prefill-tp", "2", "--no-pin"), workers=3),
     "2p2d": Case(("--prefill", "2", "--decode", "2"), prefills=2, decodes=2, workers=4),
     "decode-dp2": Case(("--decode-dp", "2", "--no-pin"), workers=3),
 }
@@ -233,6 +228,16 @@ def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
 ) -> None:
     deployment, case, setup = running.deployment, running.case, running.setup
     decodes = decode_urls(deployment, case)
+    if case.refused:
+        for prompt in PROMPTS[:2]:
+            with pytest.raises(urllib.error.HTTPError) as failed:
+                post(deployment.proxy + "/v1/completions", completion(model, prompt))
+            assert failed.value.code >= 500, failed.value.code
+        logs = "".join(p.read_text(errors="replace") for p in running.work.glob("**/logs/*.log"))
+        assert case.refused in logs, log_excerpt(running.work)
+        assert scrape.total(scrape.scrape(decodes[0]), "kvpush:failures_total") > 0
+        print(f"\n{setup} {case.args}: refused, the logs say {case.refused!r}")
+        return
     for prompt in PROMPTS:
         before = sum(totals(decodes, EXTERNAL, source="external_kv_transfer"))
         answer = running.ask(completion(model, prompt))

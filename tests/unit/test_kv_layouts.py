@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvpush.core.planning import head_range, plan_transfer, sources
+from kvpush.core.planning import PlanError, head_range, plan_transfer, sources
 from kvpush.node.layout import block_pieces, piece_indices
 from kvpush.vllm.layout import UnsupportedKVCache, describe_kv_caches, kv_cache_facts
 from tests.vllm_caches import FP8, Cache, attention, build, fill, mla
@@ -268,26 +268,114 @@ def test_every_layout_is_covered() -> None:
     assert len(list(itertools.product(LAYOUTS, SPECS))) == 60
 
 
-@pytest.mark.parametrize("block_size", [32, 64])
-def test_cpu_attention_token_planes_address_the_k_and_v_planes_of_its_view(
-    block_size: int,
+def cpu_attention_write(
+    cache: Cache, blocks: list[int], keys: torch.Tensor, values: torch.Tensor, first_token: int
 ) -> None:
-    """vLLM's CPU attention views a layer as [blocks, heads, 2 x tokens, head size] and
-    takes the first half of the rows as its K plane, the second as its V plane. With
-    `planes`, kvpush's regions are those planes, row for row (how the kernels pack a K
-    plane inside is theirs: README, "What kvpush supports")."""
-    cache = build(attention(block_size=block_size, heads=4, head_size=64), KVCacheLayout.LBHNC)
-    layout, _ = describe_kv_caches(cache.facts, cache.views, "LBHNC", planes=True)
-    assert layout.num_regions == 2 * len(cache.facts.layer_names)
+    """Tokens [first_token, len) of `keys`/`values` ([layers, tokens, heads, head size])
+    stored by vLLM's CPU attention kernel itself, as its forward pass stores them."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
     for index, name in enumerate(cache.facts.layer_names):
         view = cache.views[name]
-        blocks, heads, tokens, _ = view.shape
-        key, value = view.view(blocks, heads, tokens * 2, -1).chunk(2, dim=2)  # as the kernel
-        corners = itertools.product((0, blocks - 1), (0, heads - 1), (0, 5, tokens - 1))
-        for block, head, token in corners:
-            for plane, tensor in ((0, key), (1, value)):
-                want = tensor[block, head, token].data_ptr()
-                got = (layout.region_bases[2 * index + plane] + block * layout.block_stride
-                       + head * layout.head_stride + token * layout.token_stride)  # fmt: skip
-                assert got == want, (name, block, head, token, plane)
-        assert layout.unit_bytes == key[0, 0, 0].numel() * key.element_size()
+        blocks_n, heads, size, _ = view.shape
+        key_cache, value_cache = view.view(blocks_n, heads, size * 2, -1).chunk(2, dim=2)
+        isa = _get_attn_isa(view.dtype, size, keys.shape[-1], "auto")
+        tokens = torch.arange(first_token, keys.shape[1])
+        slots = torch.tensor([blocks[t // size] * size + t % size for t in tokens.tolist()])
+        ops.cpu_attn_reshape_and_cache(
+            keys[index, first_token:].contiguous(),
+            values[index, first_token:].contiguous(),
+            key_cache,
+            value_cache,
+            slots,
+            isa,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
+
+
+@pytest.mark.parametrize(
+    ("block_size", "kv_heads", "head_size", "dtype"),
+    [
+        pytest.param(32, 4, 64, torch.bfloat16, id="b32-h4-d64-bf16"),
+        pytest.param(64, 2, 128, torch.float32, id="b64-h2-d128-fp32"),
+        pytest.param(32, 4, 80, torch.bfloat16, id="b32-h4-d80-bf16-vec16"),
+    ],
+)
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 1), (1, 2), (2, 1)])
+@pytest.mark.parametrize("first_token", [0, 64])
+def test_cpu_attention_blocks_move_whole_and_land_as_its_kernel_stores_them(
+    block_size: int, kv_heads: int, head_size: int, dtype: torch.dtype,
+    src_tp: int, dst_tp: int, first_token: int,
+) -> None:  # fmt: skip
+    """vLLM's CPU attention packs each head's block its own way (K transposed on its "vec"
+    kernels). Prefill's cache is written by that kernel; what kvpush copies into decode's
+    cache (other block ids, other TP, a prefix-cache hit on decode, a partial last block)
+    must be byte for byte what the kernel stores there for the same tokens and heads."""
+    layers, num_tokens = 2, 2 * 64 + 9
+
+    def cache(tp: int) -> Cache:
+        spec = attention(kv_heads // tp, head_size, block_size=block_size, dtype=dtype)
+        return build(spec, KVCacheLayout.LBHNC, tp_size=tp, model_kv_heads=kv_heads,
+                     num_blocks=12, layers=layers, packed=True)  # fmt: skip
+
+    generator = torch.Generator().manual_seed(block_size + head_size)
+    keys = torch.randn(layers, num_tokens, kv_heads, head_size, generator=generator).to(dtype)
+    values = torch.randn(layers, num_tokens, kv_heads, head_size, generator=generator).to(dtype)
+    src_ids, dst_ids = [7, 2, 9, 0, 5, 11], [3, 10, 1, 6, 8, 4]
+    per_src, per_dst = kv_heads // src_tp, kv_heads // dst_tp
+    producers = []
+    for rank in range(src_tp):
+        heads = slice(rank * per_src, (rank + 1) * per_src)
+        producer = cache(src_tp)
+        fill(producer, None)
+        cpu_attention_write(producer, src_ids, keys[:, :, heads], values[:, :, heads], 0)
+        assert producer.layout.whole_blocks
+        producers.append(producer)
+    start = first_token // block_size
+    for rank in range(dst_tp):
+        heads = slice(rank * per_dst, (rank + 1) * per_dst)
+        truth, dst = cache(dst_tp), cache(dst_tp)
+        fill(truth, None)
+        fill(dst, None)
+        cpu_attention_write(truth, dst_ids, keys[:, :, heads], values[:, :, heads], first_token)
+        for src_rank in sources(rank, dst_tp, src_tp, kv_heads):
+            plan = plan_transfer(
+                producers[src_rank].layout, src_ids[start:], dst.layout, dst_ids[start:],
+                num_tokens, first_token=first_token,
+                src_rank=src_rank, src_tp=src_tp, dst_rank=rank, dst_tp=dst_tp,
+            )  # fmt: skip
+            copy(plan.descriptors())
+        assert torch.equal(dst.buffer, truth.buffer), f"decode rank {rank} differs"
+
+
+def test_cpu_attention_kernel_oracle_catches_moving_tokens_of_a_packed_block() -> None:
+    """The oracle above can fail: describing the same caches as plain token rows (what
+    kvpush once did) moves a partial last block wrong."""
+    src, dst, truth = (build(attention(2, 64, block_size=32), KVCacheLayout.LBHNC)
+                       for _ in range(3))  # fmt: skip
+    for cache in (src, dst, truth):
+        fill(cache, None)
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(3, 40, 2, 64, generator=generator).to(torch.bfloat16)
+    values = torch.randn(3, 40, 2, 64, generator=generator).to(torch.bfloat16)
+    cpu_attention_write(src, [1, 4], keys, values, 0)
+    cpu_attention_write(truth, [2, 0], keys, values, 0)
+    assert not src.layout.whole_blocks
+    copy(plan_transfer(src.layout, [1, 4], dst.layout, [2, 0], 40).descriptors())
+    assert not torch.equal(dst.buffer, truth.buffer)
+
+
+def test_cpu_attention_blocks_of_other_sizes_are_refused_with_the_fix() -> None:
+    small = build(attention(2, 64, block_size=32), KVCacheLayout.LBHNC, packed=True)
+    large = build(attention(2, 64, block_size=64), KVCacheLayout.LBHNC, packed=True)
+    plain = build(attention(2, 64, block_size=32), KVCacheLayout.LBHNC)
+    for src, dst, fix in (
+        (small, large, "serve both sides with the same --block-size"),
+        (small, plain, "run both sides on the same attention backend"),
+        (plain, small, "run both sides on the same attention backend"),
+    ):
+        with pytest.raises(PlanError, match=fix):
+            plan_transfer(src.layout, [0, 1], dst.layout, [0, 1], 40)
