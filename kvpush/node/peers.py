@@ -35,7 +35,7 @@ from typing import Any, Generic, Literal, TypeVar
 from kvpush.core import planning
 from kvpush.core.planning import KVLayout
 from kvpush.core.protocol import Hello, Message, check_compatible
-from kvpush.dataplane.control import ControlClient
+from kvpush.dataplane.control import ControlClient, Unreachable
 from kvpush.dataplane.transport import TransferError
 from kvpush.node.context import Context, Transfer
 from kvpush.node.layout import block_pieces, piece_indices
@@ -47,6 +47,7 @@ J = TypeVar("J")
 Op = Literal["WRITE", "READ"]
 _FIRST_POLL_S = 20e-6
 _MAX_POLL_S = 1e-3
+HELLO_TIMEOUT_S = 10.0  # one try at a handshake (see Peers._ask_hello for the retries)
 
 
 @dataclass(slots=True)
@@ -208,12 +209,35 @@ class Peers(Generic[J]):
         except (ConnectionError, OSError) as exc:
             log.warning("could not send %s to %s: %s", type(msg).__name__, client.address, exc)
 
+    def _ask_hello(self, peer: RemoteRank[J]) -> Message:
+        """The peer's Hello. A peer that is slow to answer (its control thread starved of
+        CPU, a busy host) is asked again until the transfer timeout has passed since the
+        first try: the transfers waiting on it have that long anyway. A peer that refuses
+        the connection, or answers wrong, fails at once."""
+        started = time.monotonic()
+        budget = self.ctx.config.transfer_timeout_s
+        while True:
+            try:
+                return peer.client.request(self.ctx.hello, timeout=HELLO_TIMEOUT_S)
+            except (TimeoutError, ConnectionError) as exc:
+                slow = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
+                left = budget - (time.monotonic() - started)
+                if isinstance(exc, Unreachable) or not slow or left < 1.0:
+                    raise
+                log.warning(
+                    "%s %s is slow to answer the handshake (%s); asking again for up to %.0f s",
+                    self.peer_role,
+                    peer,
+                    exc,
+                    left,
+                )
+
     def _handshake(self, peer: RemoteRank[J]) -> None:
         """Pool thread: learn the peer's layout and NIXL agent, then hand back."""
         ctx = self.ctx
         loaded = ""
         try:
-            remote = peer.offered or peer.client.request(ctx.hello, timeout=10.0)
+            remote = peer.offered or self._ask_hello(peer)
             peer.connection = peer.client.connection
             if not isinstance(remote, Hello):
                 raise ConnectionError(f"expected a Hello, got {type(remote).__name__}")

@@ -468,3 +468,49 @@ def test_a_loop_step_that_blocks_is_logged_with_where_it_is(
     stalls = [r.getMessage() for r in caplog.records if "one step has run" in r.getMessage()]
     assert len(stalls) == 1, stalls
     assert stalls[0].startswith("stuck-loop:") and "in handle" in stalls[0], stalls[0]
+
+
+def test_a_peer_slow_to_answer_the_handshake_is_asked_again_within_the_transfer_timeout(
+    nodes: Callable[..., tuple[Node, Node]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A prefill whose control thread is starved (it accepts, never greets) is asked again
+    until the transfer timeout has passed, then the handshake fails; a closed port fails at
+    once."""
+    import socket
+
+    from kvpush.node import peers as peers_module
+
+    _, decode = nodes("push", transfer_timeout_s=2.0)
+    peers = decode.worker.part.peers
+    monkeypatch.setattr(peers_module, "HELLO_TIMEOUT_S", 0.3)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        peer = peers.get("127.0.0.1", port)
+        peer.client = ControlClient("127.0.0.1", port, timeout=0.4)
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="kvpush.worker"):
+            with pytest.raises(ConnectionError, match="timed out"):
+                peers._ask_hello(peer)
+        took = time.monotonic() - started
+        silent.settimeout(0)
+        accepted = 0
+        while True:
+            try:
+                silent.accept()[0].close()
+            except BlockingIOError:
+                break
+            accepted += 1
+    assert took >= 1.0, took  # asked again until the 2 s budget had less than 1 s left
+    assert took < 15.0, took  # and then gave up (a busy machine stretches each try)
+    retries = sum("slow to answer the handshake" in r.getMessage() for r in caplog.records)
+    assert retries >= 1 and accepted == retries + 1, (retries, accepted)
+    closed = free_port()
+    gone = peers.get("127.0.0.1", closed)
+    gone.client = ControlClient("127.0.0.1", closed, timeout=0.4)
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="nothing listens"):
+        peers._ask_hello(gone)
+    assert time.monotonic() - started < 5.0
