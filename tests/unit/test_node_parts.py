@@ -491,9 +491,11 @@ def test_a_peer_slow_to_answer_the_handshake_is_asked_again_within_the_transfer_
         peer = peers.get("127.0.0.1", port)
         peer.client = ControlClient("127.0.0.1", port, timeout=0.4)
         started = time.monotonic()
-        with caplog.at_level("WARNING", logger="kvpush.worker"):
-            with pytest.raises(ConnectionError, match="timed out"):
-                peers._ask_hello(peer)
+        with (
+            caplog.at_level("WARNING", logger="kvpush.worker"),
+            pytest.raises(ConnectionError, match="timed out"),
+        ):
+            peers._ask_hello(peer)
         took = time.monotonic() - started
         silent.settimeout(0)
         accepted = 0
