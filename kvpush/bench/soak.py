@@ -189,7 +189,9 @@ def format_sample(sample: Sample) -> str:
             continue
         text = f"{name} {use['rss_mib']:.0f} MiB {use['fds']} fds"
         if "kv_cache_usage" in use:
-            busy = sum(use.get("waiting", {}).values())
+            # tombstones remember finished transfers (bounded): nothing waits on them
+            waiting = use.get("waiting", {})
+            busy = sum(n for what, n in waiting.items() if "tombstones" not in what)
             text += f" kv {100 * use['kv_cache_usage']:.0f}% waiting {busy:g}"
         parts.append(text)
     return " | ".join(parts)

@@ -87,7 +87,7 @@ def test_a_sample_line_names_each_server() -> None:
     sample = Sample(12.0, 40, 38, 0, 2)
     sample.servers = {
         "prefill-0": {"rss_mib": 900.0, "fds": 50, "processes": 3, "kv_cache_usage": 0.25,
-                      "waiting": {"registrations": 1.0}},  # fmt: skip
+                      "waiting": {"registrations": 1.0, "prefill_tombstones": 40.0}},  # fmt: skip
         "decode-0": {},
     }
     line = format_sample(sample)
