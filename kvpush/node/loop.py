@@ -11,12 +11,17 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 
 from kvpush.node.results import Results
 
 log = logging.getLogger("kvpush.worker")
 
 STALL_S = 2.0  # one step of a loop longer than this is logged, with where it is stuck
+
+
+def _nothing() -> None:
+    return None
 
 
 class Loop(threading.Thread):
@@ -30,6 +35,9 @@ class Loop(threading.Thread):
         self._seq = itertools.count()
         self._stopping = False
         self.busy_since = 0.0  # when the step under way began (0: waiting for work)
+        # Called when this part may become the target of a transfer (it waits for KV, or
+        # holds KV a peer will read): the node's target progress (`kvpush.node.progress`).
+        self.on_target: Callable[[], None] = _nothing
 
     def start(self) -> None:
         super().start()

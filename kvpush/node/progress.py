@@ -11,12 +11,16 @@ calls into NIXL leaves every transfer hanging until its timeout.
 So the target of each transfer progresses its agent while one may be under way, and only
 then (idle, nothing runs): decode in push, from the moment it has blocks to fill until
 none is waiting for KV or fenced; prefill in pull, while it holds leases. The thread
-sleeps on an event; `wake` (when decode's blocks or prefill's finished KV arrive) starts
-it, and it stops once the part has nothing in flight and `LINGER_S` passed since the last
-wake (which covers the moment before the part took the item from its inbox). While
-running it calls NIXL every `INTERVAL_S`: one short call, which is all the TCP transport
-needs to keep socket buffers moving (measured: ~0.8 GB/s over a veth link between two
-network namespaces, see `tests/integration/test_nixl_hosts.py`).
+sleeps on an event. The part wakes it (`on_target`) once it waits for KV or holds a lease,
+before it tells any peer, so no transfer into it can start unprogressed; the engine loop
+also wakes it when it hands the part a spec, to start a moment earlier. It stops once the
+part has nothing in flight and `LINGER_S` passed since the last wake. The linger is short
+on purpose: every call into NIXL takes the GIL from the model worker's main thread, so a
+thread that ran on through decode's steps slowed every token (decode TPOT 6.6 -> 5.1 ms
+at 1 request/s, 256-token prompts, when the linger went from 1 s to 50 ms). While running
+it calls NIXL every `INTERVAL_S`: one short call, which is all the TCP transport needs to
+keep socket buffers moving (measured: ~0.8 GB/s over a veth link between two network
+namespaces, see `tests/integration/test_nixl_hosts.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ log = logging.getLogger("kvpush.worker")
 
 INTERVAL_S = 0.0005  # between calls into NIXL while a transfer may be under way
 CHECK_S = 0.01  # how often the part is asked whether anything is still in flight
-LINGER_S = 1.0  # how long a wake keeps the thread running, busy or not
+LINGER_S = 0.05  # how long a wake keeps the thread running, busy or not
 
 
 class TargetProgress(threading.Thread):
@@ -99,4 +103,5 @@ def for_part(
         return None
     progress = TargetProgress(transport.get_notifs, busy, f"{part.name}-target-progress")
     progress.start()
+    part.on_target = progress.wake
     return progress

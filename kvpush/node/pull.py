@@ -117,6 +117,7 @@ class LeaseKeeper(PeerLoop[None]):
         if isinstance(item, SendSpec):
             local = LocalBlocks(item.transfer_id, item.request_id, item.block_ids, item.num_tokens)
             self._release(self.leases.hold(local, now))
+            self.on_target()  # decode's READ of these blocks over TCP needs our progress
         elif isinstance(item, Registered):
             self._refuse(item.registration, now)
 

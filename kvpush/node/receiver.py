@@ -190,6 +190,7 @@ class Receiver(PeerLoop[_ForRank]):
         producers = self._producers(spec.prefill_tp)
         deadline = now + self.ctx.config.transfer_timeout_s
         self.arrivals.expect(spec.transfer_id, spec.generation, producers, deadline)
+        self.on_target()  # before registering: a WRITE into us over TCP needs our progress
         old = self.expecting.get(spec.transfer_id)
         if old is not None:
             old.alive = False

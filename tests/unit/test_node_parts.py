@@ -352,6 +352,34 @@ def test_a_closed_connection_voids_its_registrations(
     assert prefill.transport.posted == []
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_the_target_of_a_transfer_wakes_its_progress_before_a_peer_can_start_it(
+    nodes: Callable[..., tuple[Node, Node]], mode: str
+) -> None:
+    """Over UCX's TCP transport the target's own progress moves the bytes, and its thread
+    lingers only briefly after a wake: push decode must wake it before it registers, pull
+    prefill once it holds the lease decode will read."""
+    prefill, decode = nodes(mode)
+    events: list[str] = []
+    target = decode if mode == "push" else prefill
+    target.worker.part.on_target = lambda: events.append("target")
+    if mode == "push":
+        receiver = decode.worker.part
+        assert isinstance(receiver, Receiver)
+        register = receiver._register
+
+        def registering(job: object, peer: object) -> None:
+            events.append("register")
+            register(job, peer)  # type: ignore[arg-type]
+
+        receiver._register = registering  # type: ignore[method-assign]
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert not decode.load_errors
+    assert events[:2] == (["target", "register"] if mode == "push" else ["target"])
+
+
 def test_pull_decode_is_told_to_ask_again_until_prefill_leased_the_blocks(
     nodes: Callable[..., tuple[Node, Node]],
 ) -> None:
