@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,15 @@ class Point:
 
     def path(self, out: Path) -> Path:
         return out / f"{self.stem}.json"
+
+    def seed(self, base: int) -> int:
+        """The dataset seed of this run: the same for every setup and iteration at this
+        point (every setup gets the same prompts), different for every other point. One
+        start of the servers runs all of a setup's points, so with one seed for all of them
+        every run after the first would send prompts the servers already cached (both
+        prefill's and decode's prefix caches are on, as vLLM's default): decode would
+        compute them itself and no KV would move."""
+        return (base + zlib.crc32(f"in{self.input_len}/qps{self.rate:g}".encode())) % 2**31
 
     def log_path(self, out: Path) -> Path:
         return out / f"{self.stem}.log"

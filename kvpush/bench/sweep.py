@@ -45,6 +45,9 @@ from kvpush.testbed.topology import (
 )
 from kvpush.testbed.topology_proxy import local_url, start_topology_proxy, warm_up
 
+# Below this share of decode's prompt tokens moved by KV transfer a run is flagged.
+HANDED_OFF_LOW = 0.9
+
 # Counters kept as deltas over a run, besides every kvpush:* sample.
 VLLM_COUNTERS = (
     "vllm:prompt_tokens_by_source_total",
@@ -129,7 +132,7 @@ def bench_command(spec: SweepSpec, point: Point, url: str, raw_dir: Path) -> lis
         "--request-rate",
         f"{point.rate:g}",
         "--seed",
-        str(spec.seed),
+        str(point.seed(spec.seed)),
         "--ignore-eos",
         "--temperature",
         "0",
@@ -344,6 +347,19 @@ def engine_step_ms(deltas: dict[str, float] | None) -> float | None:
     return total / count * 1e3 if count > 0 else None
 
 
+def handed_off(deltas: dict[str, float] | None) -> float | None:
+    """The share of decode's prompt tokens that came by KV transfer over a run (None: no
+    decode, or no prompt tokens counted). Below 1 decode computed the rest itself: prompts
+    it had cached, or a last partial block; a run that measures the handoff needs ~1."""
+    if not deltas:
+        return None
+    name = "vllm:prompt_tokens_by_source_total"
+    total = delta_total(deltas, name)
+    if total <= 0:
+        return None
+    return round(delta_total(deltas, name, source="external_kv_transfer") / total, 4)
+
+
 def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:
     """Sum of a run's deltas for metric `name` whose labels include `labels`."""
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
@@ -429,6 +445,9 @@ def run_point(
         topology.check_alive()
     except StartupError as exc:
         status, reason = "server died", str(exc).splitlines()[0]
+    handed = handed_off(deltas.get("decode"))
+    if handed is not None:
+        summary["kv_handed_off"] = handed
     traced: dict[str, Any] = {}
     if tracer is not None:
         record = tracer.result(
@@ -475,7 +494,7 @@ def record_head(spec: SweepSpec, point: Point, topology: Topology) -> dict[str, 
         "max_num_seqs": spec.pair.max_num_seqs,
         "prefix_caching": spec.pair.prefix_caching,
         "model": str(spec.pair.model),
-        "seed": spec.seed,
+        "seed": point.seed(spec.seed),
         # which cores each server ran on, and whether its whole process tree was held there
         "pinning": topology.pinning(),
     }
@@ -563,6 +582,13 @@ def describe(result: dict[str, Any]) -> str:
     late = result.get("late_tokens")
     if late is not None:
         line += f", {late:.0%} of tokens late (>{res.LATE_STEPS} steps)"
+    handed = result.get("kv_handed_off")
+    if handed is not None and handed < HANDED_OFF_LOW:
+        line += (
+            f"; WARNING: only {handed:.0%} of decode's prompt tokens came by KV transfer "
+            "(decode computed the rest: prompts it had cached?), so this run hardly "
+            "measures the handoff"
+        )
     return line
 
 

@@ -194,6 +194,38 @@ def test_delta_total_sums_over_the_other_labels() -> None:
     assert sweep.delta_total(deltas, "kvpush:missing") == 0.0
 
 
+def test_every_point_of_a_server_start_gets_prompts_it_has_not_cached() -> None:
+    """One start of a setup's servers runs all its points; a seed shared between them made
+    every run after the first a prefix-cache hit on decode, with no KV moved."""
+    groups = results.plan(["kvpush-push", "single"], [1, 2, 4], [256, 1024], 32, 2)
+    per_start = [{p.seed(0) for p in points} for _, _, points in groups]
+    assert all(len(seeds) == 6 for seeds in per_start), "distinct within a start"
+    assert len(set().union(*per_start)) == 6, "the same prompts for every setup and iteration"
+    assert Point(1, "x", 256, 1.0, 32).seed(1) != Point(1, "x", 256, 1.0, 32).seed(0)
+    spec_point = Point(1, "kvpush-push", 256, 2.0, 32)
+    spec = sweep.SweepSpec(
+        pair=PairSettings(model=Path("m")), setups=["kvpush-push"], rates=[2.0],
+        input_lens=[256], output_len=32, num_prompts=4, iterations=1, out=Path("o"),
+    )  # fmt: skip
+    command = sweep.bench_command(spec, spec_point, "http://x", Path("raw"))
+    assert command[command.index("--seed") + 1] == str(spec_point.seed(0))
+
+
+def test_a_run_where_decode_computed_its_prompts_itself_is_flagged() -> None:
+    name = "vllm:prompt_tokens_by_source_total"
+    moved = {f'{name}{{source="external_kv_transfer"}}': 6144.0}
+    cached = {
+        f'{name}{{source="local_cache_hit"}}': 3712.0,
+        f'{name}{{source="local_compute"}}': 2441.0,
+    }
+    assert sweep.handed_off(moved) == 1.0
+    assert sweep.handed_off(cached) == 0.0
+    assert sweep.handed_off({}) is None
+    ok = {"status": "ok", "ttft": {"p50": 0.01}, "tpot": {"p50": 0.002}}
+    assert "WARNING" in sweep.describe({**ok, "kv_handed_off": 0.0})
+    assert "WARNING" not in sweep.describe({**ok, "kv_handed_off": 0.99})
+
+
 def write_recorded_sweep(out: Path) -> None:
     """Two iterations of three setups at two rates; vLLM push stalls at the high rate."""
     for it in (1, 2):
