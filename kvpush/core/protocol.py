@@ -37,7 +37,7 @@ import msgpack
 
 from kvpush.core.planning import KVLayout, PlanError, check_mappable
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"KP"
 GREETING_MAGIC = b"KPHI"
 MAC_SIZE = 32
@@ -328,7 +328,18 @@ class Wait:
     generation: int = field(metadata=_GENERATION)
 
 
-Message = Hello | Registration | WriteDone | Cancel | LeaseRenew | ReadDone | Wait
+@dataclass(frozen=True, slots=True)
+class Writing:
+    """Prefill -> decode (push): a WRITE into this transfer's blocks is still in flight a
+    moment after it was posted. Decode then calls into NIXL until the transfer settles:
+    over UCX's TCP transport the bytes move only while the target's worker runs, and
+    decode does not otherwise spend its engine's GIL on that while it merely waits."""
+
+    transfer_id: str = field(metadata=_ID)
+    generation: int = field(metadata=_GENERATION)
+
+
+Message = Hello | Registration | WriteDone | Cancel | LeaseRenew | ReadDone | Wait | Writing
 
 _TYPES: dict[int, type[Message]] = {
     1: Hello,
@@ -338,6 +349,7 @@ _TYPES: dict[int, type[Message]] = {
     5: LeaseRenew,
     6: ReadDone,
     7: Wait,
+    8: Writing,
 }
 _CODES: dict[type[Message], int] = {cls: code for code, cls in _TYPES.items()}
 _FIELDS: dict[type[Message], tuple[Field[Any], ...]] = {cls: fields(cls) for cls in _CODES}

@@ -374,6 +374,7 @@ class Moving(Generic[J]):
     nbytes: int
     hold_until: float = 0.0  # test hook delay_write: seen as in flight until then
     injected: TransferError | None = None  # test hook nixl_error: how it ends
+    told: bool = False  # push: decode was told this WRITE is in flight (`Writing`)
 
 
 class InFlight(Generic[J]):

@@ -9,18 +9,21 @@ WRITE off the socket (or send those of a READ) and acknowledge them. A target th
 calls into NIXL leaves every transfer hanging until its timeout.
 
 So the target of each transfer progresses its agent while one may be under way, and only
-then (idle, nothing runs): decode in push, from the moment it has blocks to fill until
-none is waiting for KV or fenced; prefill in pull, while it holds leases. The thread
-sleeps on an event. The part wakes it (`on_target`) once it waits for KV or holds a lease,
-before it tells any peer, so no transfer into it can start unprogressed; the engine loop
-also wakes it when it hands the part a spec, to start a moment earlier. It stops once the
-part has nothing in flight and `LINGER_S` passed since the last wake. The linger is short
-on purpose: every call into NIXL takes the GIL from the model worker's main thread, so a
-thread that ran on through decode's steps slowed every token (decode TPOT 6.6 -> 5.1 ms
-at 1 request/s, 256-token prompts, when the linger went from 1 s to 50 ms). While running
-it calls NIXL every `INTERVAL_S`: one short call, which is all the TCP transport needs to
-keep socket buffers moving (measured: ~0.8 GB/s over a veth link between two network
-namespaces, see `tests/integration/test_nixl_hosts.py`).
+then; idle, nothing runs. Each call into NIXL takes the GIL from the model worker's main
+thread, so "may be under way" is kept narrow:
+- decode in push: from the moment a prefill rank says a WRITE into it is still in flight
+  (`Writing`, sent by prefill `TELL_AFTER_S` after posting it; with shared memory or RDMA
+  a small WRITE is done by then and nothing is said) until the transfer settles, and
+  while a failed transfer is fenced. Progressing for as long as decode merely waited for
+  prefill to compute slowed every token of the requests decoding meanwhile: decode TPOT
+  p50 7.9-8.8 ms against 5.7 ms without it (`kvpush bench hooks --setups kvpush-push
+  --requests 12 --concurrency 3`, one run each);
+- prefill in pull: while it holds leases (decode may READ them at any time).
+The part wakes the thread (`on_target`) when that starts. It stops once nothing is in
+flight and `LINGER_S` passed since the last wake. While running it calls NIXL every
+`INTERVAL_S`: one short call, which is all the TCP transport needs to keep socket buffers
+moving (measured: ~0.8 GB/s over a veth link between two network namespaces, see
+`tests/integration/test_nixl_hosts.py`).
 """
 
 from __future__ import annotations
@@ -94,8 +97,8 @@ def for_part(
     (prefill in push, decode in pull)."""
     busy: Callable[[], bool]
     if isinstance(part, Receiver) and not part.pull:
-        arrivals = part.arrivals
-        busy = lambda: arrivals.pending > 0  # noqa: E731 - waiting for KV, or fenced
+        arrivals, writing = part.arrivals, part.writing
+        busy = lambda: bool(writing) or arrivals.fenced > 0  # noqa: E731
     elif isinstance(part, LeaseKeeper):
         leases = part.leases
         busy = lambda: leases.active > 0  # noqa: E731

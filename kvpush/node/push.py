@@ -4,6 +4,8 @@ Failure rules kept here (the pairing rules are `core.rendezvous`'s):
 - a WRITE is never posted after its registration's deadline (decode stops waiting then),
   even when the writer was held up (a slow handshake, a frozen process);
 - a WRITE still in flight after `transfer_timeout_s` is cancelled and fails;
+- decode is told of a WRITE still in flight after `TELL_AFTER_S` (`Writing`): over TCP it
+  completes only while decode calls into NIXL, which decode does only when told;
 - decode hears of every write that will not happen (`NotifyFailure`), and of a cancel it
   asked for only once no WRITE of that transfer can land in its blocks any more;
 - a transfer this rank writes to several decode ranks (`core.fanout`) is paired, written
@@ -20,7 +22,7 @@ from typing import Any
 
 from kvpush.core.fanout import Fanout, leg_id, split_leg
 from kvpush.core.planning import PlanError, blocks_from, destinations
-from kvpush.core.protocol import Cancel, Registration, WriteDone
+from kvpush.core.protocol import Cancel, Registration, WriteDone, Writing
 from kvpush.core.rendezvous import (
     DropRegistration,
     LocalBlocks,
@@ -37,6 +39,11 @@ from kvpush.node.peers import Moving, PeerLoop, PeerReady, RemoteRank
 from kvpush.node.specs import AbortSpec, SendSpec
 
 log = logging.getLogger("kvpush.worker")
+
+# A WRITE still in flight this long after it was posted is told to decode (`Writing`), so
+# decode progresses its NIXL agent, which UCX's TCP transport needs to take the bytes in.
+# With shared memory or RDMA a small WRITE has finished by then and decode hears nothing.
+TELL_AFTER_S = 200e-6
 
 
 class PushWriter(PeerLoop[StartWrite]):
@@ -130,6 +137,12 @@ class PushWriter(PeerLoop[StartWrite]):
         now = time.monotonic()
         for moving, error in self.ended():
             self._finish(moving, error, now)
+        for moving in self.inflight.moving:
+            if not moving.told and now - moving.posted >= TELL_AFTER_S:
+                moving.told = True
+                reg = moving.job.registration
+                writing = Writing(split_leg(reg.transfer_id)[0], reg.generation)
+                self.peers.submit(_tell, moving.peer.client, writing)
         self.act(self.rendezvous.expire(now))
         # a fan whose prefill never came (it ran elsewhere, or never ended): its legs
         # expired long ago; forget it (its prefill, should it end, waits out a lease)
@@ -360,6 +373,15 @@ _FAILURE_STATS = {
     "refused_registrations": "registration_refused",
     "capped_registrations": "registration_capped",
 }
+
+
+def _tell(client: ControlClient, writing: Writing) -> None:
+    """Message pool: tell decode a WRITE is in flight. Best effort: a decode that cannot
+    hear it fails or times out the WRITE itself."""
+    try:
+        client.send(writing)
+    except (ConnectionError, OSError) as exc:
+        log.debug("could not tell decode of the WRITE of %s: %s", writing.transfer_id, exc)
 
 
 def _kind(exc: Exception) -> str:

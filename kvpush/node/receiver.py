@@ -35,6 +35,7 @@ from kvpush.core.protocol import (
     Registration,
     Wait,
     WriteDone,
+    Writing,
     grant_ok,
 )
 from kvpush.dataplane.control import ControlClient, Unreachable
@@ -125,6 +126,8 @@ class Receiver(PeerLoop[_ForRank]):
         self.arrivals = Arrivals(ctx.config.fence_s)
         self.expecting: dict[str, _Expecting] = {}
         self.renewals: Deadlines[_Expecting] = Deadlines()
+        # push: transfers a prefill rank said it is writing (`Writing`), until they settle
+        self.writing: set[str] = set()
         self._next_watch = 0.0
 
     def gauges(self) -> dict[str, float]:
@@ -147,6 +150,10 @@ class Receiver(PeerLoop[_ForRank]):
             self._expect(item, now)
         elif isinstance(item, WriteDone):
             self._outcomes(self.arrivals.on_write_done(item, now))
+        elif isinstance(item, Writing):
+            if self.arrivals.is_waiting(item.transfer_id, item.generation):
+                self.writing.add(item.transfer_id)
+                self.on_target()  # over TCP the WRITE's bytes move only while we progress
         elif isinstance(item, Cancel):
             self._outcomes(self.arrivals.on_cancel(item, now))
         elif isinstance(item, AbortSpec):
@@ -190,7 +197,6 @@ class Receiver(PeerLoop[_ForRank]):
         producers = self._producers(spec.prefill_tp)
         deadline = now + self.ctx.config.transfer_timeout_s
         self.arrivals.expect(spec.transfer_id, spec.generation, producers, deadline)
-        self.on_target()  # before registering: a WRITE into us over TCP needs our progress
         old = self.expecting.get(spec.transfer_id)
         if old is not None:
             old.alive = False
@@ -252,6 +258,7 @@ class Receiver(PeerLoop[_ForRank]):
 
     def _outcomes(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
+            self.writing.discard(outcome.transfer_id)  # settled, or fenced (progressed)
             expecting = self.expecting.get(outcome.transfer_id)
             if expecting is None or expecting.spec.generation != outcome.generation:
                 continue

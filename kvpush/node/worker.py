@@ -26,8 +26,9 @@ Progress model: NIXL's own progress thread is off (it spins a core); transfers a
 initiator-driven (UCX with error handling "none"), so the initiator polls only while a
 transfer it posted is in flight, and completions travel as frames on the control channel.
 The target of a transfer (decode in push, prefill in pull) calls into NIXL only while one
-may be under way (`kvpush.node.progress`): UCX's TCP transport, used between machines
-without RDMA, moves bytes only while the target's worker runs. Idle, nothing spins.
+may be under way (`kvpush.node.progress`; in push, from prefill's `Writing` on): UCX's TCP
+transport, used between machines without RDMA, moves bytes only while the target's worker
+runs. Idle, nothing spins.
 
 Nothing here imports vLLM: `kvpush.vllm` reads vLLM's KV cache into a `KVLayout` and calls
 `start`, so the node runs (and is tested) on any memory a `KVLayout` describes.
@@ -52,6 +53,7 @@ from kvpush.core.protocol import (
     ReadDone,
     Registration,
     WriteDone,
+    Writing,
     check_compatible,
 )
 from kvpush.dataplane.control import ControlServer, Peer, tls_contexts
@@ -199,7 +201,7 @@ class WorkerSide:
         self._routes = {Hello: self._answer_hello}
         if self.identity.role == "decode":
             receiver = Receiver(ctx)
-            self._routes |= dict.fromkeys((WriteDone, Cancel), _deliver(receiver))
+            self._routes |= dict.fromkeys((WriteDone, Cancel, Writing), _deliver(receiver))
             return receiver
         if self.config.mode == "pull":
             keeper = LeaseKeeper(ctx)
@@ -283,8 +285,8 @@ class WorkerSide:
             items = send if self.identity.role == "prefill" else recv
             for item in items:
                 part.inbox.put((item, now))
-            if items and self.progress is not None:
-                self.progress.wake()  # a transfer into (push) or out of (pull) us may start
+            if send and self.progress is not None:
+                self.progress.wake()  # pull: decode may READ these blocks soon
             if not isinstance(part, LeaseKeeper):
                 for abort in aborted:
                     part.inbox.put((abort, now))

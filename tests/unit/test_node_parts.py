@@ -352,32 +352,43 @@ def test_a_closed_connection_voids_its_registrations(
     assert prefill.transport.posted == []
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_the_target_of_a_transfer_wakes_its_progress_before_a_peer_can_start_it(
-    nodes: Callable[..., tuple[Node, Node]], mode: str
+@pytest.mark.parametrize("slow", [False, True])
+def test_push_decode_progresses_nixl_only_while_told_a_write_is_in_flight(
+    nodes: Callable[..., tuple[Node, Node]], slow: bool
 ) -> None:
-    """Over UCX's TCP transport the target's own progress moves the bytes, and its thread
-    lingers only briefly after a wake: push decode must wake it before it registers, pull
-    prefill once it holds the lease decode will read."""
-    prefill, decode = nodes(mode)
+    """Over UCX's TCP transport the target's own calls into NIXL move the bytes, but each
+    takes the GIL from decode's engine: decode waits without them, and prefill tells it
+    (`Writing`) when a WRITE is still in flight a moment after it was posted."""
+    prefill, decode = nodes("push")
+    receiver = decode.worker.part
+    assert isinstance(receiver, Receiver)
+    woken: list[set[str]] = []
+    receiver.on_target = lambda: woken.append(set(receiver.writing))
+    prefill.transport.hold = slow
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    if slow:
+        run_until((prefill, decode), lambda: bool(woken))
+        assert woken == [{"t1"}], "told once, while the WRITE is in flight"
+        prefill.transport.hold = False
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert not decode.load_errors
+    assert not receiver.writing, "settled: nothing left to progress for"
+    if not slow:
+        time.sleep(0.05)
+        assert woken == [], "a WRITE done at once is not told: decode never progresses"
+
+
+def test_pull_prefill_wakes_its_progress_once_it_holds_a_lease(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    prefill, decode = nodes("pull")
     events: list[str] = []
-    target = decode if mode == "push" else prefill
-    target.worker.part.on_target = lambda: events.append("target")
-    if mode == "push":
-        receiver = decode.worker.part
-        assert isinstance(receiver, Receiver)
-        register = receiver._register
-
-        def registering(job: object, peer: object) -> None:
-            events.append("register")
-            register(job, peer)  # type: ignore[arg-type]
-
-        receiver._register = registering  # type: ignore[method-assign]
+    prefill.worker.part.on_target = lambda: events.append("target")
     prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
     decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
     run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
-    assert not decode.load_errors
-    assert events[:2] == (["target", "register"] if mode == "push" else ["target"])
+    assert events == ["target"]
 
 
 def test_pull_decode_is_told_to_ask_again_until_prefill_leased_the_blocks(

@@ -23,7 +23,9 @@ from kvpush.core.protocol import (
     ReadDone,
     Registration,
     Seal,
+    Wait,
     WriteDone,
+    Writing,
     check_compatible,
     decode,
     encode,
@@ -80,6 +82,8 @@ EXAMPLES: list[Message] = [
     Cancel("t-1", 2, "client went away", "10.0.0.2", 5601),
     LeaseRenew("t-1", 0),
     ReadDone("t-1", 0, 1, 2, True, ""),
+    Wait("t-1", 0),
+    Writing("t-1", 3),
 ]
 
 
@@ -172,6 +176,8 @@ messages = st.one_of(
     st.builds(Cancel, ids, generations, texts, st.text(max_size=30), st.integers(0, 65535)),
     st.builds(LeaseRenew, ids, generations),
     read_dones(),
+    st.builds(Wait, ids, generations),
+    st.builds(Writing, ids, generations),
 )
 
 
