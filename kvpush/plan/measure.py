@@ -69,6 +69,7 @@ PROXY_ADDED_MS = {"pull": 1.05, "push": 0.97}
 # two processes (READ is faster, 16-17); one-process memcpy 19.8 GB/s.
 NIXL_DRAM_GBPS = 12.5
 MEMCPY_GBPS = 19.8
+KEEPALIVE_S = 2.0  # below uvicorn's 5 s keep-alive: never reuse a connection as it closes
 
 
 @dataclass(slots=True)
@@ -329,7 +330,10 @@ class Prober:
         prefill: dict[int, tuple[float, float]] = {}
         steps: dict[int, dict[int, float]] = {}
         engine_steps: dict[str, float] = {}
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # uvicorn closes a connection idle for 5 s; one the pool reused just then fails the
+        # probe ("Can not write request body"), so the pool drops idle ones sooner
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             for url in (self.prefill_url, self.decode_url):
                 await self.complete(session, url, "warm up", 4)
             idle_before = hook_seconds(self.hooks("decode-0"), "start_load_kv")
