@@ -194,7 +194,11 @@ class Peers(Generic[J]):
 
     def notify(self, host: str, port: int, msg: Message) -> None:
         """Send `msg` from the message pool; a peer that cannot be reached is only logged."""
-        self.messages.submit(self._send, self.get(host, port).client, msg)
+        self.tell(self.get(host, port).client, msg)
+
+    def tell(self, client: ControlClient, msg: Message) -> None:
+        """`notify` on a client already at hand."""
+        self.messages.submit(self._send, client, msg)
 
     def close(self) -> None:
         for pool in (self.handshakes, self.messages):

@@ -16,13 +16,14 @@ thread, so "may be under way" is kept narrow:
   a small WRITE is done by then and nothing is said) until the transfer settles, and
   while a failed transfer is fenced. Progressing for as long as decode merely waited for
   prefill to compute slowed every token of the requests decoding meanwhile: decode TPOT
-  p50 7.9-8.8 ms against 5.7 ms without it (`kvpush bench hooks --setups kvpush-push
-  --requests 12 --concurrency 3`, one run each);
+  p50 7.9 and 8.8 ms in two runs of `kvpush bench hooks --setups kvpush-push --requests
+  12 --concurrency 3`, 5.7 ms with decode's progress switched off by hand (loopback, where
+  shared memory needs none), 6.7 ms with this rule;
 - prefill in pull: while it holds leases (decode may READ them at any time).
-The part wakes the thread (`on_target`) when that starts. It stops once nothing is in
-flight and `LINGER_S` passed since the last wake. While running it calls NIXL every
-`INTERVAL_S`: one short call, which is all the TCP transport needs to keep socket buffers
-moving (measured: ~0.8 GB/s over a veth link between two network namespaces, see
+The part wakes the thread (`on_target`) when that starts, and nothing else does. It stops
+once nothing is in flight and `LINGER_S` passed since the last wake. While running it calls
+NIXL every `INTERVAL_S`: one short call, which is all the TCP transport needs to keep
+socket buffers moving (measured: ~0.8 GB/s over a veth link between two network namespaces, see
 `tests/integration/test_nixl_hosts.py`).
 """
 

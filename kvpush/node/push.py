@@ -142,7 +142,8 @@ class PushWriter(PeerLoop[StartWrite]):
                 moving.told = True
                 reg = moving.job.registration
                 writing = Writing(split_leg(reg.transfer_id)[0], reg.generation)
-                self.peers.submit(_tell, moving.peer.client, writing)
+                # best effort: a decode that cannot hear it fails or times out the WRITE
+                self.peers.tell(moving.peer.client, writing)
         self.act(self.rendezvous.expire(now))
         # a fan whose prefill never came (it ran elsewhere, or never ended): its legs
         # expired long ago; forget it (its prefill, should it end, waits out a lease)
@@ -373,15 +374,6 @@ _FAILURE_STATS = {
     "refused_registrations": "registration_refused",
     "capped_registrations": "registration_capped",
 }
-
-
-def _tell(client: ControlClient, writing: Writing) -> None:
-    """Message pool: tell decode a WRITE is in flight. Best effort: a decode that cannot
-    hear it fails or times out the WRITE itself."""
-    try:
-        client.send(writing)
-    except (ConnectionError, OSError) as exc:
-        log.debug("could not tell decode of the WRITE of %s: %s", writing.transfer_id, exc)
 
 
 def _kind(exc: Exception) -> str:

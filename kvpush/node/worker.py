@@ -285,8 +285,6 @@ class WorkerSide:
             items = send if self.identity.role == "prefill" else recv
             for item in items:
                 part.inbox.put((item, now))
-            if send and self.progress is not None:
-                self.progress.wake()  # pull: decode may READ these blocks soon
             if not isinstance(part, LeaseKeeper):
                 for abort in aborted:
                     part.inbox.put((abort, now))
