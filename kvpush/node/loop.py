@@ -30,7 +30,9 @@ class Loop(threading.Thread):
     def __init__(self, results: Results, name: str) -> None:
         super().__init__(name=name, daemon=True)
         self.results = results
-        self.inbox: queue.Queue[tuple[object, float]] = queue.Queue()
+        # SimpleQueue: a put from vLLM's main thread (start_load_kv) is one C call, a
+        # third of queue.Queue's Python-level lock and condition when this thread waits
+        self.inbox: queue.SimpleQueue[tuple[object, float]] = queue.SimpleQueue()
         self._later: list[tuple[float, int, object, float]] = []
         self._seq = itertools.count()
         self._stopping = False

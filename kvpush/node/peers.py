@@ -89,7 +89,7 @@ class Peers(Generic[J]):
     def __init__(
         self,
         ctx: Context,
-        inbox: queue.Queue[tuple[object, float]],
+        inbox: queue.SimpleQueue[tuple[object, float]],
         peer_role: str,
         load_agents: bool = True,
         max_peers: int = 1024,

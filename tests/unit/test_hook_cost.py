@@ -264,3 +264,36 @@ def test_hook_timer_spans_add_up_and_drain_once() -> None:
     again = empty_data()
     timer.drain(again)
     assert again["hook_calls"] == {} and again["hook_s"] == {}
+
+
+def test_vllm_skips_the_per_layer_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's attention wrapper (`maybe_transfer_kv_layer`) calls wait_for_layer_load and
+    save_kv_layer around every layer of every forward while the connector says it has
+    metadata; kvpush moves whole requests and says no, so the layers run without them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.model_executor.layers.attention import attention
+    from vllm.model_executor.layers.attention import kv_transfer_utils as per_layer
+
+    conn = connector(KvpushConnector, "worker")
+    conn.bind_connector_metadata(EMPTY_METADATA)
+    calls: list[str] = []
+    monkeypatch.setattr(conn, "wait_for_layer_load", lambda name: calls.append("wait"))
+    monkeypatch.setattr(conn, "save_kv_layer", lambda *args, **kw: calls.append("save"))
+    monkeypatch.setattr(per_layer, "has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(per_layer, "is_v1_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(per_layer, "get_kv_transfer_group", lambda: conn)
+    context = (object(), None, None, None)  # metadata present: a real forward
+    monkeypatch.setattr(attention, "get_attention_context", lambda name: context)
+
+    @per_layer.maybe_transfer_kv_layer
+    def attend(x: int, layer_name: str) -> int:
+        return x + 1
+
+    assert attend(1, "model.layers.0.self_attn.attn") == 2
+    assert calls == []
+    # what any connector with bound metadata gets, and kvpush got before
+    monkeypatch.setattr(
+        conn, "has_connector_metadata", lambda: KVConnectorBase_V1.has_connector_metadata(conn)
+    )
+    assert attend(1, "model.layers.0.self_attn.attn") == 2
+    assert calls == ["wait", "save"]
