@@ -8,9 +8,10 @@ tabulates the results.
 (the articles' 14.7 ms per request). Each setup runs 1P1D under the same streaming load as
 `kvpush bench compare`, with its connector class wrapped by `kvpush.bench.timed`, which times every
 hook vLLM calls on its scheduler and worker main threads - the same wrapper for vLLM's
-connectors and ours. Per request is the total divided by the requests sent (the load plus
-one warm-up); per step divides the worker's total by its engine steps (calls of
-start_load_kv).
+connectors and ours. The warm-up request (first contact between the servers: handshakes,
+first registrations) is reported on its own; per request is the load's total divided by
+its requests, per step the worker's total over the load divided by its engine steps (calls
+of start_load_kv).
 """
 
 from __future__ import annotations
@@ -354,7 +355,7 @@ def hook_rows(reports: list[compare.SetupReport], requests: int) -> list[list[st
     rows = []
     for report in reports:
         if not report.hooks:
-            rows.append([report.setup, report.status, "-", "-", "-", "-", "-", "-"])
+            rows.append([report.setup, report.status, "-", "-", "-", "-", "-", "-", "-"])
             continue
         cells = [report.setup, report.status]
         for server in ("decode-0", "prefill-0"):
@@ -364,6 +365,11 @@ def hook_rows(reports: list[compare.SetupReport], requests: int) -> list[list[st
             steps = ledger.get("worker", {}).get("calls", {}).get("start_load_kv", 0)
             cells.append(f"{1e3 * (worker_s + sched_s) / requests:.3f}")
             cells.append(f"{1e6 * worker_s / steps:.1f}" if steps else "-")
+        first = sum(
+            sum(hook_totals(ledger, role)[0] for role in ("scheduler", "worker"))
+            for ledger in report.hooks_warm_up.values()
+        )
+        cells.append(f"{1e3 * first:.3f}" if report.hooks_warm_up else "-")
         summary = compare.summarise(report.results)
         cells.append(compare.format_ms(summary.ttft_p50_s))
         cells.append(compare.format_ms(summary.tpot_p50_s))
@@ -376,7 +382,7 @@ def run_hooks(args: argparse.Namespace) -> int:
     if isinstance(measured, int):
         return measured
     reports, load = measured
-    requests = load.requests + 1
+    requests = load.requests
     header = [
         "setup",
         "result",
@@ -384,17 +390,21 @@ def run_hooks(args: argparse.Namespace) -> int:
         "decode us/step",
         "prefill ms/req",
         "prefill us/step",
+        "warm-up ms",
         "TTFT p50",
         "TPOT p50",
     ]
     print(
         f"connector hooks on vLLM's main threads (scheduler + worker), {requests} requests "
+        "after one warm-up, "
         f"of ~{load.input_len} prompt tokens, {load.output_len} output tokens, "
         f"concurrency {load.concurrency}"
     )
     print(format_table(header, hook_rows(reports, requests)))
     print(
-        "(ms/req: all hooks' time / requests; us/step: worker hooks' time / engine steps; "
+        "(ms/req: all hooks' time over the load / its requests; us/step: worker hooks' time "
+        "over the load / its engine steps; warm-up ms: both servers' hooks during the warm-up "
+        "request; "
         "TTFT/TPOT in ms at the client)"
     )
     return 0 if any(r.hooks for r in reports) else 1

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.args import at_least, cannot_write, port_number, positive
-from kvpush.bench.timed import read_ledgers
+from kvpush.bench.timed import read_ledgers, subtract_ledgers
 from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_corpus
 from kvpush.testbed.pinning import NO_PIN_HELP, confined
@@ -91,7 +91,10 @@ class SetupReport:
     startup_s: float | None = None
     results: list[RequestResult] = field(default_factory=list)
     # With timed hooks: per server name, {"scheduler"|"worker": {"seconds": .., "calls": ..}}
+    # over the load after the warm-up (steady state), and the warm-up request's alone
+    # (first contact between the servers: handshakes, first registrations)
     hooks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hooks_warm_up: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def texts(self) -> dict[int, str]:
@@ -472,13 +475,34 @@ def run_setup(
         topology.start()
         took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))
         print(f"  [{setup}] servers healthy after {took:.0f} s", flush=True)
+
+        def ledgers() -> dict[str, dict[str, Any]]:
+            time.sleep(1.0)  # the ledgers are written every half second
+            return {spec.name: read_ledgers(hook_dir(config, spec.name)) for spec in topology.specs}
+
+        warmed: dict[str, dict[str, Any]] = {}
+
+        def after_warm_up() -> None:
+            warmed.update(ledgers())
+
         with confined(topology.client_cores):
-            report = asyncio.run(_drive(topology, setup, pair.port, load, prompts))
+            report = asyncio.run(
+                _drive(
+                    topology,
+                    setup,
+                    pair.port,
+                    load,
+                    prompts,
+                    after_warm_up if config.timed_hooks else None,
+                )
+            )
         report.startup_s = took
         if config.timed_hooks:  # not for single, which has no connector
-            time.sleep(1.0)  # the ledgers are written every half second
+            total = ledgers()
+            report.hooks_warm_up = warmed
             report.hooks = {
-                spec.name: read_ledgers(hook_dir(config, spec.name)) for spec in topology.specs
+                name: subtract_ledgers(ledger, warmed.get(name, {}))
+                for name, ledger in total.items()
             }
         return report
     except StartupError as exc:
@@ -504,7 +528,12 @@ def _startup_failure(topology: Topology, exc: StartupError) -> str:
 
 
 async def _drive(
-    topology: Topology, setup: str, port: int, load: LoadSpec, prompts: list[str]
+    topology: Topology,
+    setup: str,
+    port: int,
+    load: LoadSpec,
+    prompts: list[str],
+    after_warm_up: Callable[[], None] | None = None,
 ) -> SetupReport:
     import aiohttp
 
@@ -528,6 +557,8 @@ async def _drive(
         if error:
             print(f"  [{setup}] warm-up failed: {error}", flush=True)
             return SetupReport(setup, "failed", f"warm-up through the proxy failed: {error}")
+        if after_warm_up is not None:
+            await asyncio.to_thread(after_warm_up)
         print(f"  [{setup}] warm-up ok; sending {load.requests} requests", flush=True)
         done: list[RequestResult] = []
 

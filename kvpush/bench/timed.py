@@ -157,3 +157,21 @@ def read_ledgers(directory: Path) -> dict[str, dict[str, Any]]:
             for hook, value in data[table].items():
                 role[table][hook] = role[table].get(hook, 0) + value
     return totals
+
+
+def subtract_ledgers(
+    after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """`read_ledgers` totals of `after` less those of `before` (a reading taken earlier in
+    the same run): what the hooks spent in between."""
+    out: dict[str, dict[str, Any]] = {}
+    for role, tables in after.items():
+        earlier = before.get(role, {})
+        out[role] = {
+            table: {
+                hook: value - earlier.get(table, {}).get(hook, 0)
+                for hook, value in tables.get(table, {}).items()
+            }
+            for table in ("seconds", "calls")
+        }
+    return out

@@ -68,5 +68,27 @@ def test_hook_rows_divide_by_requests_and_steps() -> None:
     report.hooks = {"decode-0": ledger, "prefill-0": ledger}
     (row,) = hook_rows([report], requests=10)
     assert row[:4] == ["kvpush-push", "ok", "1.000", "40.0"]
+    assert row[6] == "-"  # no warm-up reading
+    report.hooks_warm_up = {"decode-0": ledger, "prefill-0": ledger}
+    (row,) = hook_rows([report], requests=10)
+    assert row[6] == "20.000"  # both servers' hooks, both sides, in ms
     (missing,) = hook_rows([SetupReport("vllm-push", "stalled")], requests=10)
-    assert missing[1] == "stalled" and missing[2] == "-"
+    assert missing[1] == "stalled" and missing[2] == "-" and len(missing) == len(row)
+
+
+def test_the_load_is_counted_without_the_warm_up() -> None:
+    before = {"worker": {"seconds": {"start_load_kv": 0.001}, "calls": {"start_load_kv": 3}}}
+    after = {
+        "worker": {
+            "seconds": {"start_load_kv": 0.004, "get_finished": 0.002},
+            "calls": {"start_load_kv": 10, "get_finished": 7},
+        },
+        "scheduler": {
+            "seconds": {"build_connector_meta": 0.5},
+            "calls": {"build_connector_meta": 2},
+        },
+    }
+    steady = timed.subtract_ledgers(after, before)
+    assert steady["worker"]["calls"] == {"start_load_kv": 7, "get_finished": 7}
+    assert steady["worker"]["seconds"]["start_load_kv"] == pytest.approx(0.003)
+    assert steady["scheduler"] == after["scheduler"]  # nothing of it before
