@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -90,6 +90,7 @@ def _child_main(conn: Connection) -> None:
     """Decode: builds the cache a shape asks for, answers Hellos with it, checks it."""
     transport = NixlTransport(CHILD)
     state: dict[str, Any] = {}
+    registered: list[Cache] = []  # see Child.registered
 
     def on_message(msg: Message, peer: Peer) -> Message | None:
         return state.get("hello") if isinstance(msg, Hello) else None
@@ -106,6 +107,7 @@ def _child_main(conn: Connection) -> None:
                 cache = shape.side("decode")
                 fill(cache, DST_SEED)
                 transport.register_regions(list(cache.memory))
+                registered.append(cache)
                 state.update(shape=shape, cache=cache, before=cache.buffer.clone())
                 state["hello"] = hello(CHILD, "decode", transport, cache)
                 conn.send(True)
@@ -147,6 +149,12 @@ class Child:
     conn: Connection
     port: int
     transport: NixlTransport  # the parent's
+    # Every cache whose memory a transport registered stays alive as long as the transport
+    # (nothing here deregisters): memory freed while registered can come back from the
+    # allocator overlapping the stale registration, and NIXL then finds no registration
+    # covering a descriptor (NIXL_ERR_NOT_FOUND at createXferReq; seen once in CI, on the
+    # last shape). vLLM's caches, which kvpush registers, live as long as the server.
+    registered: list[Cache] = field(default_factory=list)
 
     def call(self, *cmd: Any, timeout: float = 30.0) -> Any:
         self.conn.send(cmd)
@@ -176,6 +184,7 @@ def test_a_request_arrives_byte_exact_in_every_shape(child: Child, shape: Shape)
     fill(cache, SRC_SEED)
     transport = child.transport
     transport.register_regions(list(cache.memory))
+    child.registered.append(cache)
     assert child.call("build", shape)
     with ControlClient("127.0.0.1", child.port, timeout=10.0) as client:
         remote = client.request(hello(PARENT, "prefill", transport, cache))
