@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from kvpush import __version__
@@ -58,7 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops a command the way Ctrl-C does
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # A command that starts servers (bench, demo, plan measure) stops them on the way out
+    # of its `with` blocks; SIGTERM (kill, timeout, a CI runner) must take that way too,
+    # not end the process and leave the servers running. Tools with their own handling
+    # (`up`, `proxy`) install theirs over this one.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    try:
+        return _run(argv)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     command: str | None = None
     try:
         args = build_parser().parse_args(argv)

@@ -17,7 +17,6 @@ of start_load_kv).
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -292,11 +291,6 @@ def run_sweep(args: argparse.Namespace) -> int:
         why = cannot_write(exc, args.out)
         print(f"{args.prog}: {why}; give --out and --workdir you can write", file=sys.stderr)
         return 2
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # so the servers of the current group are stopped
-
-    signal.signal(signal.SIGTERM, on_term)
     try:
         sweep.run_sweep(spec)
     except KeyboardInterrupt:

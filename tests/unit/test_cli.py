@@ -113,3 +113,56 @@ def test_the_namespace_names_the_command_that_ran() -> None:
     parser = build_parser()
     assert parser.parse_args(["demo"]).prog == "kvpush demo"
     assert parser.parse_args(["bench", "plot", "d"]).prog == "kvpush bench plot"
+
+
+SIGTERM_CHILD = """
+import sys, time
+import kvpush.cli as cli
+
+class Args:
+    command = "stand-in"
+
+    @staticmethod
+    def func(args):
+        try:
+            print("ready", flush=True)
+            time.sleep(30)  # a command holding servers
+        finally:
+            print("servers stopped", flush=True)  # what its `with` blocks do on the way out
+        return 0
+
+class StandIn:
+    def parse_args(self, argv):
+        return Args()
+
+cli.build_parser = StandIn
+cli.precheck = lambda command: None
+sys.exit(cli.main([]))
+"""
+
+
+def test_sigterm_stops_a_command_the_way_ctrl_c_does() -> None:
+    """`kill` (or a CI runner's timeout) must unwind a command, so that what it started is
+    stopped; before, only the sweep did, and a killed `bench hooks` left its servers."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_CHILD], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert out.strip() == "servers stopped"
+    assert proc.returncode == 130
+
+
+def test_main_leaves_the_callers_sigterm_handler_as_it_was() -> None:
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert signal.getsignal(signal.SIGTERM) is before
