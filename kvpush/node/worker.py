@@ -1,7 +1,7 @@
 """A node: one TP rank's kvpush - its NIXL agent, control server and background threads.
 
-The engine-loop hooks (`start_load_kv`, `get_finished`) only put specs on a queue and swap
-result sets: O(1) per request. Everything slow - handshakes, descriptor planning, posting
+The engine-loop hooks (`bind_connector_metadata`, `get_finished`) only put specs on a queue
+and swap result sets: O(1) per request. Everything slow - handshakes, descriptor planning, posting
 and polling transfers, control messages - runs on the threads below:
 
   control-server  (per node) blocks in select(); decodes control messages, answers
@@ -83,7 +83,7 @@ class WorkerSide:
         self.config = config
         self.identity = identity
         self.timer = HookTimer("worker")
-        self._start_span = self.timer("start_load_kv")
+        self._start_span = self.timer("bind_connector_metadata")
         self._finished_span = self.timer("get_finished")
         self.results = Results()
         self.transport: NixlTransport | None = None
@@ -271,10 +271,11 @@ class WorkerSide:
         if hello is not None and isinstance(self.part, PushWriter):
             self.part.enqueue(ConnectionClosed(peer.conn_id, hello))
 
-    def start_load_kv(
+    def hand_off(
         self, recv: Sequence[RecvSpec], send: Sequence[SendSpec], aborted: Sequence[AbortSpec]
     ) -> None:
-        """The engine loop's specs for this step, queued for the part (O(1) each)."""
+        """The engine loop's specs for this step, queued for the part (O(1) each); called
+        as vLLM binds the step's metadata, before its forward."""
         with self._start_span:
             part = self.part
             if part is None or not (recv or send or aborted):

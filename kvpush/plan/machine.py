@@ -10,9 +10,10 @@ setup, on that setup's own 1P1D servers but without a handoff (`kvpush/plan/meas
 - decode step: on the decode server, batches of 1 and `max_num_seqs` streamed local
   requests; the median TPOT the client saw, i.e. the engine's step plus each token's way
   out through the front end (the engine-side step is kept in `extra`, for the record);
-- pull's inline submission: the decode worker's main-thread time in the connector's
-  `start_load_kv` hook per handed-off request (`kvpush.bench.timed`), beyond what the hook
-  costs in a step with nothing to load; only the hook's time is used, never the latency
+- pull's inline submission: the decode worker's main-thread time in the hooks that take
+  a step's loads (`start_load_kv`, and `bind_connector_metadata` where kvpush hands them
+  over) per handed-off request (`kvpush.bench.timed`), beyond what they cost in a step
+  with nothing to load; only the hook's time is used, never the latency
   of those requests;
 - the proxy's added latency per mode from `kvpush proxy bench` (stub backends) and NIXL's
   DRAM-to-DRAM bandwidth (measured between two processes, `NIXL_DRAM_GBPS` in
@@ -65,7 +66,7 @@ class PointProbe:
     step_ms: dict[int, float]
     """Decode step time at each batch size, on the decode server, prompts this long."""
     submit_ms: float | None = None
-    """Decode's main-thread `start_load_kv` time per handed-off request, beyond idle."""
+    """Decode's main-thread time in the load hooks per handed-off request, beyond idle."""
     transfer_ms: float | None = None
     """Mean time of one transfer by the connector's own metrics (kvpush's only)."""
 

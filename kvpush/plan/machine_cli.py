@@ -40,10 +40,11 @@ examples:
 Each setup's 1P1D servers are started as `kvpush bench sweep` starts them and probed
 without a handoff: prefill time and front-end time of prompts sent one at a time, decode
 step time at batch 1 and --max-num-seqs as a streaming client sees it (local requests),
-and the decode worker's main-thread time in start_load_kv per handed-off request (hook
-time only; never a TTFT or TPOT of a handed-off request). Medians throughout. Ports:
-prefill PORT+100, decode PORT+200, the probe's proxy --proxy-port (default PORT), NIXL
-side channels from --kv-port. About 2-3 minutes per setup on 2 cores."""
+and the decode worker's main-thread time in the hooks that take a step's loads per
+handed-off request (hook time only; never a TTFT or TPOT of a handed-off request).
+Medians throughout. Ports: prefill PORT+100, decode PORT+200, the probe's proxy
+--proxy-port (default PORT), NIXL side channels from --kv-port. About 2-3 minutes per
+setup on 2 cores."""
 
 CHECK_EPILOG = """\
 examples:

@@ -18,8 +18,9 @@ connector's hooks timed (`kvpush.bench.timed`), and measures, per prompt length:
    on a CPU machine is a large share: the engine-side step (vLLM's decode time at two
    output lengths, differenced) is kept in the profile for the record, not used.
 3. pull's inline submission: `--hook-requests` handed-off requests through an in-process
-   proxy, one at a time; the decode worker's main-thread time in `start_load_kv` beyond
-   what that hook costs in a step with nothing to load, per request. Only this hook time
+   proxy, one at a time; the decode worker's main-thread time in the hooks that take a
+   step's loads (`LOAD_HOOKS`) beyond what they cost in a step with nothing to load, per
+   request. Only this hook time
    is kept, not the latency of those requests (that is what the simulator predicts).
 
 The servers are stopped after each setup. What the setup's connector runs in the
@@ -121,14 +122,21 @@ def histogram_mean_ms(before: dict[Any, float], after: dict[Any, float], name: s
     return metric_delta(before, after, f"{name}_sum") / count * 1e3
 
 
-def hook_seconds(ledgers: dict[str, dict[str, Any]], hook: str) -> tuple[float, int]:
+# The worker hooks that take a step's loads: vLLM's connectors submit them in
+# `start_load_kv`, kvpush hands them to its threads in `bind_connector_metadata`; each
+# is called once a step, so their sum per step is one figure for every connector.
+LOAD_HOOKS = ("bind_connector_metadata", "start_load_kv")
+
+
+def hook_seconds(ledgers: dict[str, dict[str, Any]], hooks: tuple[str, ...]) -> tuple[float, int]:
+    """(seconds, steps) of the worker's `hooks` together (steps: calls of the last)."""
     worker = ledgers.get("worker", {})
-    seconds = float(worker.get("seconds", {}).get(hook, 0.0))
-    return seconds, int(worker.get("calls", {}).get(hook, 0))
+    seconds = sum(float(worker.get("seconds", {}).get(hook, 0.0)) for hook in hooks)
+    return seconds, int(worker.get("calls", {}).get(hooks[-1], 0))
 
 
 def submit_beyond_idle(busy: tuple[float, int], idle: tuple[float, int], requests: int) -> float:
-    """ms per request of `start_load_kv` time beyond its cost in steps with nothing to load.
+    """ms per request of the load hooks' time beyond their cost in steps with nothing to load.
 
     `busy` and `idle` are (seconds, calls) over the handoff probe and the local probes."""
     seconds, calls = busy
@@ -299,14 +307,14 @@ class Prober:
     async def handoffs(
         self, session: aiohttp.ClientSession, proxy_url: str, input_len: int
     ) -> tuple[tuple[float, int], float | None]:
-        """Over handed-off requests: decode worker's `start_load_kv` (seconds, calls), and
+        """Over handed-off requests: decode worker's load hooks (seconds, steps), and
         kvpush's own mean transfer time (ms; None for vLLM's connectors, which have none)."""
         prompts = self.prompts(self.spec.hook_requests, input_len, salt=50)
-        before = hook_seconds(self.hooks("decode-0"), "start_load_kv")
+        before = hook_seconds(self.hooks("decode-0"), LOAD_HOOKS)
         metrics = [self.scrape(url) for url in (self.prefill_url, self.decode_url)]
         for prompt in prompts:
             await self.complete(session, proxy_url, prompt, 2)
-        after = hook_seconds(self.hooks("decode-0"), "start_load_kv")
+        after = hook_seconds(self.hooks("decode-0"), LOAD_HOOKS)
         now = [self.scrape(url) for url in (self.prefill_url, self.decode_url)]
         transfer = None
         # whoever starts the transfer records it: prefill's writer, decode's reader
@@ -336,7 +344,7 @@ class Prober:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             for url in (self.prefill_url, self.decode_url):
                 await self.complete(session, url, "warm up", 4)
-            idle_before = hook_seconds(self.hooks("decode-0"), "start_load_kv")
+            idle_before = hook_seconds(self.hooks("decode-0"), LOAD_HOOKS)
             for n in spec.input_lens:
                 prefill[n] = await self.prefill(session, n)
                 say(
@@ -353,7 +361,7 @@ class Prober:
                         f"the client ({engine_steps[f'{n}x{batch}']:.2f} in the engine) at "
                         f"batch {batch}"
                     )
-            idle_after = hook_seconds(self.hooks("decode-0"), "start_load_kv")
+            idle_after = hook_seconds(self.hooks("decode-0"), LOAD_HOOKS)
             idle = (idle_after[0] - idle_before[0], idle_after[1] - idle_before[1])
             port = spec.proxy_port or spec.pair.port
             runner = await start_topology_proxy(
@@ -367,6 +375,7 @@ class Prober:
             )
             submits: dict[int, float] = {}
             transfers: dict[int, float | None] = {}
+            # (the keys keep their first name, so that profiles measured before compare)
             hook_totals: dict[str, Any] = {"idle_start_load_kv": idle}
             try:
                 proxy_url = local_url(port)
@@ -378,7 +387,7 @@ class Prober:
                     submits[n] = submit_beyond_idle(busy, idle, spec.hook_requests)
                     hook_totals[f"handoff_start_load_kv_{n}"] = busy
                     say(
-                        f"  [{setup}] {n} tokens: start_load_kv {submits[n]:.3f} ms per "
+                        f"  [{setup}] {n} tokens: load hooks {submits[n]:.3f} ms per "
                         "handed-off request beyond idle"
                     )
             finally:

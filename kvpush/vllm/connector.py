@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
 )
@@ -202,11 +203,20 @@ class KvpushConnector(KVConnectorBase_V1):
             )
         return not self.facts.mla and bool(names & set(PACKED_BLOCK_BACKENDS))
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Takes this step's metadata and hands its specs to the node's threads at once,
+        before vLLM runs the step's forward. vLLM calls `start_load_kv` only after the
+        forward (its loads are asynchronous), and a spec waiting there would wait a whole
+        forward: a prefill that finished last step would start its push only when the
+        next prefill's forward is done (tens to hundreds of ms under load)."""
+        self._connector_metadata = connector_metadata
         assert self.worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvpushMetadata)
-        self.worker.start_load_kv(meta.recv, meta.send, meta.aborted)
+        meta: KvpushMetadata = connector_metadata  # type: ignore[assignment]
+        self.worker.hand_off(meta.recv, meta.send, meta.aborted)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Nothing left to do: `bind_connector_metadata` handed this step's specs over."""
+        return None
 
     def has_connector_metadata(self) -> bool:
         """Always False: vLLM asks this before it calls `wait_for_layer_load` and

@@ -52,7 +52,7 @@ class Rank:
     load_errors: set[int] = field(default_factory=set)
 
     def step(self, recv: tuple[RecvSpec, ...] = (), send: tuple[SendSpec, ...] = ()) -> None:
-        self.worker.start_load_kv(recv, send, ())
+        self.worker.hand_off(recv, send, ())
         sending, recving = self.worker.get_finished()
         self.sending |= sending
         self.recving |= recving

@@ -61,7 +61,7 @@ class Side:
     def step(self, meta: Step | None = None) -> None:
         """One engine step's worth of connector calls."""
         meta = meta or Step()
-        self.worker.start_load_kv(meta.recv, meta.send, meta.aborted)
+        self.worker.hand_off(meta.recv, meta.send, meta.aborted)
         sending, recving = self.worker.get_finished()
         self.sending |= sending
         self.recving |= recving

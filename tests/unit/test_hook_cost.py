@@ -225,21 +225,20 @@ def test_stats_carry_transfers_at_once_and_hook_timings_at_most_every_interval(
     monkeypatch.setattr(connector_module.time, "monotonic", lambda: clock[0])
     worker = connector(KvpushConnector, "worker")
     worker.bind_connector_metadata(EMPTY_METADATA)
-    worker.start_load_kv(None)
     first = worker.get_kv_connector_stats()  # the first call sends what the hooks cost
-    assert first is not None and first.data["hook_calls"] == {"worker.start_load_kv": 1}
+    assert first is not None and first.data["hook_calls"] == {"worker.bind_connector_metadata": 1}
     for _ in range(5):
-        worker.start_load_kv(None)
+        worker.bind_connector_metadata(EMPTY_METADATA)
         assert worker.get_kv_connector_stats() is None  # only timings: held back
     worker.worker.results.observe(bytes=4096.0, write_s=0.001)
     news = worker.get_kv_connector_stats()  # a transfer: at once, with the timings so far
     assert news is not None and news.data["bytes"] == [4096.0]
-    assert news.data["hook_calls"] == {"worker.start_load_kv": 5}
-    worker.start_load_kv(None)
+    assert news.data["hook_calls"] == {"worker.bind_connector_metadata": 5}
+    worker.bind_connector_metadata(EMPTY_METADATA)
     assert worker.get_kv_connector_stats() is None
     clock[0] += STATS_EVERY_S
     later = worker.get_kv_connector_stats()
-    assert later is not None and later.data["hook_calls"] == {"worker.start_load_kv": 1}
+    assert later is not None and later.data["hook_calls"] == {"worker.bind_connector_metadata": 1}
     sched = connector(KvpushConnector, "scheduler")
     sched.build_connector_meta(None)
     stats = sched.get_kv_connector_stats()
@@ -297,3 +296,30 @@ def test_vllm_skips_the_per_layer_hooks(monkeypatch: pytest.MonkeyPatch) -> None
     )
     assert attend(1, "model.layers.0.self_attn.attn") == 2
     assert calls == ["wait", "save"]
+
+
+def test_specs_reach_the_threads_before_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's model runner calls start_load_kv only after the step's forward (async loads);
+    kvpush hands a step's specs over when vLLM binds the metadata, before the forward, so
+    a finished prefill's push never waits for the next prefill's forward. Run through
+    vLLM's own per-step context, with the forward as the body."""
+    from vllm.v1.worker import kv_connector_model_runner_mixin as mixin
+
+    conn = connector(KvpushConnector, "worker")
+    monkeypatch.setattr(mixin, "get_kv_transfer_group", lambda: conn)
+    monkeypatch.setattr(mixin, "get_forward_context", lambda: None)
+    sched = connector(KvpushConnector, "scheduler")
+    req = push_request(1)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+    output = SimpleNamespace(kv_connector_metadata=sched.build_connector_meta(None))
+    output.has_sync_kv_loads = False
+    output.finished_req_ids = set()
+    inbox = conn.worker.part.inbox
+    calls: list[str] = []
+    monkeypatch.setattr(conn, "start_load_kv", lambda *a, **kw: calls.append("start_load_kv"))
+    with mixin.KVConnectorModelRunnerMixin._get_kv_connector_output(output):
+        seen_in_forward = [inbox.get_nowait()[0].request_id for _ in range(inbox.qsize())]
+        assert calls == []  # vLLM has not called start_load_kv yet
+    assert calls == ["start_load_kv"]  # it does, after the forward
+    assert seen_in_forward == ["r1"]

@@ -144,7 +144,7 @@ class Node:
     def step(
         self, recv: tuple[RecvSpec, ...] = (), send: tuple[SendSpec, ...] = ()
     ) -> None:
-        self.worker.start_load_kv(recv, send, ())
+        self.worker.hand_off(recv, send, ())
         sending, recving = self.worker.get_finished()
         self.sending |= sending
         self.recving |= recving
