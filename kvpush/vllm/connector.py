@@ -59,6 +59,18 @@ def log_like_vllm() -> None:
     ours.propagate = False
 
 
+def refuse_sleep_mode(model_config: Any) -> None:
+    """kvpush registers vLLM's KV cache with NIXL once, for the server's life; sleep mode
+    releases that memory and maps new memory at wake-up, under a registration that then
+    points at memory no longer the cache's. Refused at start, with the way out."""
+    if getattr(model_config, "enable_sleep_mode", False):
+        raise ValueError(
+            "kvpush cannot serve with --enable-sleep-mode: sleep releases the KV cache that "
+            "kvpush registered with NIXL at start, and transfers would use a registration "
+            "that no longer matches the memory; start the server without --enable-sleep-mode"
+        )
+
+
 class KvpushConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
     _stats_due = 0.0  # monotonic time after which the hook timings go out again
@@ -76,6 +88,7 @@ class KvpushConnector(KVConnectorBase_V1):
                 f"kvpush needs kv_role 'kv_producer' (prefill) or 'kv_consumer' (decode), "
                 f"got {transfer.kv_role!r}"
             )
+        refuse_sleep_mode(vllm_config.model_config)
         engine_id = str(transfer.engine_id)
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config

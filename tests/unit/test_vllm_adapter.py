@@ -222,3 +222,11 @@ def test_rejected_message_counts_reach_stats_once() -> None:
     assert worker.stats_data()["rejected"] == {}, "running totals must not be re-counted"
     server.rejected = {"bad_mac": 5, "too_large": 1}
     assert worker.stats_data()["rejected"] == {"bad_mac": 2, "too_large": 1}
+
+
+def test_sleep_mode_is_refused_at_start_with_the_way_out() -> None:
+    from kvpush.vllm.connector import refuse_sleep_mode
+
+    refuse_sleep_mode(SimpleNamespace(enable_sleep_mode=False))
+    with pytest.raises(ValueError, match="without --enable-sleep-mode"):
+        refuse_sleep_mode(SimpleNamespace(enable_sleep_mode=True))
