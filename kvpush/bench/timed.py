@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Every connector method vLLM's scheduler and worker call on their main threads (some on
+# both sides), base-class ones included: what the engine loop pays is all of them.
 SCHEDULER_HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -29,6 +31,12 @@ SCHEDULER_HOOKS = (
     "request_finished_all_groups",
     "update_connector_output",
     "has_pending_push_work",
+    "has_pending_block_frees",
+    "on_new_request",
+    "get_loaded_kv_cache_group_ids",
+    "get_external_cache_hit_sources",
+    "take_events",
+    "get_kv_connector_stats",
 )
 WORKER_HOOKS = (
     "bind_connector_metadata",
@@ -41,6 +49,8 @@ WORKER_HOOKS = (
     "get_transfer_results",
     "get_block_ids_with_load_errors",
     "handle_preemptions",
+    "get_kv_connector_kv_cache_events",
+    "build_connector_worker_meta",
 )
 _OWN = {"KvpushConnector": "kvpush.vllm"}
 _cache: dict[str, type] = {}
