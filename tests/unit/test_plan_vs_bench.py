@@ -5,18 +5,19 @@ Fixtures in tests/data/plan/, as recorded (see docs/planning.md):
   kvpush-push,kvpush-pull,vllm-pull-nospin,vllm-pull,single --rates 1,2,4 --input-lens
   256,1024 --num-prompts 24 --iterations 3` (32 output tokens, --max-num-seqs 8), every
   server's whole process tree on its own core, each point with its own dataset seed
-  (eabf6e2), the result files as written: iterations 1-2 2026-11-30 18:42-19:18 at
-  e7df3de, iteration 3 (the same command resumed) 21:44-22:01 at ceb11fb. 90 of 90 ok.
+  (eabf6e2), the result files as written: 2026-12-01 01:35-02:29 at 8932cb7 (kvpush hands
+  a step's specs over before the forward since 49247aa). 90 of 90 ok.
 - profile.json: `kvpush plan measure` (command inside), pinned, 2026-11-30 19:20-19:27 on
   the same host as the sweep. Every parameter comes from probes without a handoff,
   kvpush's transfer metrics and the NIXL bandwidth measured once - none from these results.
 
-The prediction is within 25 % at 26 of 72 point-metrics and low almost everywhere; the
+The prediction is within 25 % at 22 of 72 point-metrics and low almost everywhere; the
 parameters were not tuned toward it: this test pins the error actually achieved at every
-point. kvpush is predicted between 33 % low and 10 % high everywhere but where prefill's one
-core saturates (1024 tokens, 4 req/s: TTFT -58 % pull, -65 % push); vLLM's connectors are
-predicted 19-94 % low: their pull handoff latency (vllm-pull-nospin's TTFT 117-3,459 ms)
-is kept by no probe. The client and the proxy share the two cores with the servers, which
+point. kvpush is predicted between 40 % and 3 % low everywhere but where prefill's one
+core saturates (1024 tokens, 4 req/s: TTFT -55 % pull, -52 % push); vLLM's connectors are
+predicted 12-95 % low: their pull handoff latency (vllm-pull-nospin's TTFT 121-4,817 ms)
+is kept by no probe. The profile was measured before 49247aa, whose earlier hand-off is not
+in its parameters. The client and the proxy share the two cores with the servers, which
 the model does not see. No answer came in one burst.
 """
 
@@ -35,30 +36,30 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "plan"
 # TTFT, TPOT and E2E latency, the measured p50 being the median over the ok iterations (at
 # least one was ok at every point; None would mark a point with none).
 ACHIEVED: dict[tuple[str, int, float], tuple[float | None, float | None, float | None]] = {
-    ("kvpush-pull", 256, 1): (-0.311, -0.277, -0.283),
-    ("kvpush-pull", 256, 2): (-0.260, 0.104, -0.003),
-    ("kvpush-pull", 256, 4): (-0.259, 0.012, -0.048),
-    ("kvpush-pull", 1024, 1): (-0.214, -0.045, -0.231),
-    ("kvpush-pull", 1024, 2): (-0.176, 0.016, -0.142),
-    ("kvpush-pull", 1024, 4): (-0.580, 0.001, -0.406),
-    ("kvpush-push", 256, 1): (-0.210, -0.189, -0.195),
-    ("kvpush-push", 256, 2): (-0.247, -0.163, -0.182),
-    ("kvpush-push", 256, 4): (-0.331, -0.215, -0.287),
-    ("kvpush-push", 1024, 1): (-0.231, -0.134, -0.279),
-    ("kvpush-push", 1024, 2): (-0.170, -0.071, -0.164),
-    ("kvpush-push", 1024, 4): (-0.653, -0.284, -0.520),
-    ("vllm-pull", 256, 1): (-0.189, -0.510, -0.424),
-    ("vllm-pull", 256, 2): (-0.537, -0.545, -0.581),
-    ("vllm-pull", 256, 4): (-0.191, -0.529, -0.450),
-    ("vllm-pull", 1024, 1): (-0.277, -0.511, -0.372),
-    ("vllm-pull", 1024, 2): (-0.221, -0.419, -0.251),
-    ("vllm-pull", 1024, 4): (-0.275, -0.505, -0.292),
-    ("vllm-pull-nospin", 256, 1): (-0.553, -0.676, -0.644),
-    ("vllm-pull-nospin", 256, 2): (-0.663, -0.671, -0.662),
-    ("vllm-pull-nospin", 256, 4): (-0.669, -0.598, -0.620),
-    ("vllm-pull-nospin", 1024, 1): (-0.655, -0.555, -0.610),
-    ("vllm-pull-nospin", 1024, 2): (-0.848, -0.615, -0.783),
-    ("vllm-pull-nospin", 1024, 4): (-0.936, -0.528, -0.903),
+    ("kvpush-pull", 256, 1): (-0.402, -0.278, -0.304),
+    ("kvpush-pull", 256, 2): (-0.337, -0.296, -0.313),
+    ("kvpush-pull", 256, 4): (-0.360, -0.284, -0.312),
+    ("kvpush-pull", 1024, 1): (-0.216, -0.129, -0.203),
+    ("kvpush-pull", 1024, 2): (-0.223, -0.213, -0.207),
+    ("kvpush-pull", 1024, 4): (-0.552, -0.026, -0.390),
+    ("kvpush-push", 256, 1): (-0.341, -0.184, -0.193),
+    ("kvpush-push", 256, 2): (-0.330, -0.238, -0.273),
+    ("kvpush-push", 256, 4): (-0.244, -0.119, -0.150),
+    ("kvpush-push", 1024, 1): (-0.217, -0.096, -0.253),
+    ("kvpush-push", 1024, 2): (-0.246, -0.183, -0.276),
+    ("kvpush-push", 1024, 4): (-0.518, -0.085, -0.407),
+    ("vllm-pull", 256, 1): (-0.154, -0.510, -0.428),
+    ("vllm-pull", 256, 2): (-0.304, -0.481, -0.468),
+    ("vllm-pull", 256, 4): (-0.291, -0.563, -0.495),
+    ("vllm-pull", 1024, 1): (-0.198, -0.478, -0.290),
+    ("vllm-pull", 1024, 2): (-0.119, -0.445, -0.237),
+    ("vllm-pull", 1024, 4): (-0.260, -0.446, -0.288),
+    ("vllm-pull-nospin", 256, 1): (-0.570, -0.718, -0.706),
+    ("vllm-pull-nospin", 256, 2): (-0.660, -0.652, -0.663),
+    ("vllm-pull-nospin", 256, 4): (-0.704, -0.647, -0.655),
+    ("vllm-pull-nospin", 1024, 1): (-0.739, -0.697, -0.731),
+    ("vllm-pull-nospin", 1024, 2): (-0.897, -0.662, -0.851),
+    ("vllm-pull-nospin", 1024, 4): (-0.954, -0.642, -0.931),
 }
 
 # The points the item's 25 % holds at, per metric.
@@ -66,17 +67,14 @@ WITHIN_25 = {
     "ttft": {
         ("kvpush-pull", 1024, 1),
         ("kvpush-pull", 1024, 2),
-        ("kvpush-push", 256, 1),
-        ("kvpush-push", 256, 2),
+        ("kvpush-push", 256, 4),
         ("kvpush-push", 1024, 1),
         ("kvpush-push", 1024, 2),
         ("vllm-pull", 256, 1),
-        ("vllm-pull", 256, 4),
+        ("vllm-pull", 1024, 1),
         ("vllm-pull", 1024, 2),
     },
     "tpot": {
-        ("kvpush-pull", 256, 2),
-        ("kvpush-pull", 256, 4),
         ("kvpush-pull", 1024, 1),
         ("kvpush-pull", 1024, 2),
         ("kvpush-pull", 1024, 4),
@@ -85,15 +83,14 @@ WITHIN_25 = {
         ("kvpush-push", 256, 4),
         ("kvpush-push", 1024, 1),
         ("kvpush-push", 1024, 2),
+        ("kvpush-push", 1024, 4),
     },
     "e2el": {
-        ("kvpush-pull", 256, 2),
-        ("kvpush-pull", 256, 4),
         ("kvpush-pull", 1024, 1),
         ("kvpush-pull", 1024, 2),
         ("kvpush-push", 256, 1),
-        ("kvpush-push", 256, 2),
-        ("kvpush-push", 1024, 2),
+        ("kvpush-push", 256, 4),
+        ("vllm-pull", 1024, 2),
     },
 }
 
