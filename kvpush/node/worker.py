@@ -1,8 +1,8 @@
 """A node: one TP rank's kvpush - its NIXL agent, control server and background threads.
 
 The engine-loop hooks (`bind_connector_metadata`, `get_finished`) only put specs on a queue
-and swap result sets: O(1) per request. Everything slow - handshakes, descriptor planning, posting
-and polling transfers, control messages - runs on the threads below:
+and swap result sets: O(1) per request. Everything slow - handshakes, descriptor planning,
+posting and polling transfers, control messages - runs on the threads below:
 
   control-server  (per node) blocks in select(); decodes control messages, answers
                   handshakes and lease questions, routes the rest (`_routes`)
@@ -83,7 +83,7 @@ class WorkerSide:
         self.config = config
         self.identity = identity
         self.timer = HookTimer("worker")
-        self._start_span = self.timer("bind_connector_metadata")
+        self._hand_off_span = self.timer("bind_connector_metadata")
         self._finished_span = self.timer("get_finished")
         self.results = Results()
         self.transport: NixlTransport | None = None
@@ -276,7 +276,7 @@ class WorkerSide:
     ) -> None:
         """The engine loop's specs for this step, queued for the part (O(1) each); called
         as vLLM binds the step's metadata, before its forward."""
-        with self._start_span:
+        with self._hand_off_span:
             part = self.part
             if part is None or not (recv or send or aborted):
                 return

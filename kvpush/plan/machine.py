@@ -13,8 +13,8 @@ setup, on that setup's own 1P1D servers but without a handoff (`kvpush/plan/meas
 - pull's inline submission: the decode worker's main-thread time in the hooks that take
   a step's loads (`start_load_kv`, and `bind_connector_metadata` where kvpush hands them
   over) per handed-off request (`kvpush.bench.timed`), beyond what they cost in a step
-  with nothing to load; only the hook's time is used, never the latency
-  of those requests;
+  with nothing to load; only the hooks' time is used, never the latency of those
+  requests;
 - the proxy's added latency per mode from `kvpush proxy bench` (stub backends) and NIXL's
   DRAM-to-DRAM bandwidth (measured between two processes, `NIXL_DRAM_GBPS` in
   `kvpush.plan.measure`), both recorded with their source.

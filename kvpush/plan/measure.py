@@ -20,8 +20,8 @@ connector's hooks timed (`kvpush.bench.timed`), and measures, per prompt length:
 3. pull's inline submission: `--hook-requests` handed-off requests through an in-process
    proxy, one at a time; the decode worker's main-thread time in the hooks that take a
    step's loads (`LOAD_HOOKS`) beyond what they cost in a step with nothing to load, per
-   request. Only this hook time
-   is kept, not the latency of those requests (that is what the simulator predicts).
+   request. Only this hook time is kept, not the latency of those requests (that is what
+   the simulator predicts).
 
 The servers are stopped after each setup. What the setup's connector runs in the
 background (NIXL's progress thread, spinning or paced) is running during all of it, so it

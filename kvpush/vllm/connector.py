@@ -88,9 +88,9 @@ class KvpushConnector(KVConnectorBase_V1):
                 f"kvpush needs kv_role 'kv_producer' (prefill) or 'kv_consumer' (decode), "
                 f"got {transfer.kv_role!r}"
             )
-        refuse_sleep_mode(vllm_config.model_config)
         engine_id = str(transfer.engine_id)
         model = vllm_config.model_config
+        refuse_sleep_mode(model)
         parallel = vllm_config.parallel_config
         # Refuse a KV cache kvpush cannot move exactly in both roles, so the scheduler
         # process fails at start with the reason, not a worker at its first transfer.
@@ -222,7 +222,7 @@ class KvpushConnector(KVConnectorBase_V1):
         forward (its loads are asynchronous), and a spec waiting there would wait a whole
         forward: a prefill that finished last step would start its push only when the
         next prefill's forward is done (tens to hundreds of ms under load)."""
-        self._connector_metadata = connector_metadata
+        super().bind_connector_metadata(connector_metadata)
         assert self.worker is not None
         meta: KvpushMetadata = connector_metadata  # type: ignore[assignment]
         self.worker.hand_off(meta.recv, meta.send, meta.aborted)
