@@ -71,6 +71,16 @@ def refuse_sleep_mode(model_config: Any) -> None:
         )
 
 
+# get_transfer_results' answer in a step where nothing finished. vLLM only reads it (and
+# pickles it to the scheduler); frozen sets make a change anywhere fail loudly instead of
+# carrying into the next step.
+NOTHING_FINISHED = KVConnectorTransferResults(
+    finished_sending=frozenset(),  # type: ignore[arg-type]
+    finished_recving=frozenset(),  # type: ignore[arg-type]
+    failed_recving=frozenset(),  # type: ignore[arg-type]
+)
+
+
 class KvpushConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
     _stats_due = 0.0  # monotonic time after which the hook timings go out again
@@ -178,10 +188,10 @@ class KvpushConnector(KVConnectorBase_V1):
         return self.scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        assert self.scheduler is not None
-        self.scheduler.update_connector_output(
-            connector_output.finished_sending or (), connector_output.finished_recving or ()
-        )
+        sending, recving = connector_output.finished_sending, connector_output.finished_recving
+        if sending or recving:  # most steps report nothing: two attribute reads
+            assert self.scheduler is not None
+            self.scheduler.update_connector_output(sending or (), recving or ())
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()
@@ -222,10 +232,15 @@ class KvpushConnector(KVConnectorBase_V1):
         forward (its loads are asynchronous), and a spec waiting there would wait a whole
         forward: a prefill that finished last step would start its push only when the
         next prefill's forward is done (tens to hundreds of ms under load)."""
-        super().bind_connector_metadata(connector_metadata)
-        assert self.worker is not None
+        # What the base class does, without its call: this runs every engine step, and
+        # between two steps the forward has evicted most of our code and data from the
+        # caches, so each call and object touched costs microseconds here. A step with
+        # nothing to hand over (most steps) stops after three attribute reads.
+        self._connector_metadata = connector_metadata
         meta: KvpushMetadata = connector_metadata  # type: ignore[assignment]
-        self.worker.hand_off(meta.recv, meta.send, meta.aborted)
+        if meta.recv or meta.send or meta.aborted:
+            assert self.worker is not None
+            self.worker.hand_off(meta.recv, meta.send, meta.aborted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Nothing left to do: `bind_connector_metadata` handed this step's specs over."""
@@ -252,8 +267,12 @@ class KvpushConnector(KVConnectorBase_V1):
         return self.worker.get_finished()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """`get_finished`'s sets as they are (the base class copies them, every step)."""
+        """`get_finished`'s sets as they are (the base class copies them, every step);
+        in a step where nothing finished (most steps), one shared empty answer."""
         assert self.worker is not None
+        results = self.worker.results
+        if not (results.sending or results.recving):
+            return NOTHING_FINISHED
         sending, recving = self.worker.get_finished()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 

@@ -135,9 +135,9 @@ class SchedulerSide:
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
+        if not (self._recv or self._send or self._aborted):
+            return EMPTY_METADATA  # most steps: nothing to ship, nothing allocated, untimed
         with self._meta_span:
-            if not (self._recv or self._send or self._aborted):
-                return EMPTY_METADATA  # most steps: nothing to ship, nothing allocated
             meta = KvpushMetadata(self._recv, self._send, self._aborted)
             self._recv, self._send, self._aborted = [], [], []
             return meta

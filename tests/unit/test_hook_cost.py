@@ -29,7 +29,7 @@ from kvpush.node.results import HookTimer, empty_data
 from kvpush.node.specs import RecvSpec
 from kvpush.node.worker import WorkerSide
 from kvpush.vllm import connector as connector_module
-from kvpush.vllm.connector import STATS_EVERY_S, KvpushConnector
+from kvpush.vllm.connector import NOTHING_FINISHED, STATS_EVERY_S, KvpushConnector
 from kvpush.vllm.metadata import EMPTY_METADATA
 from kvpush.vllm.scheduler import SchedulerSide
 from tests.unit.test_vllm_adapter import FakeBlocks, FakeRequest
@@ -99,6 +99,10 @@ def per_call_us(fn: Callable[[], Any], n: int) -> float:
             fn()
         best = min(best, time.perf_counter() - started)
     return best / n * 1e6
+
+
+def recv_spec() -> RecvSpec:
+    return RecvSpec("t1", "r1", (3, 4), 32, "127.0.0.1", 5600, 1, 0)
 
 
 def push_request(i: int) -> FakeRequest:
@@ -207,15 +211,65 @@ def test_a_step_with_nothing_to_ship_gets_the_shared_empty_metadata() -> None:
     assert EMPTY_METADATA.recv == []  # shipping a spec never touched the shared one
 
 
-def test_finished_sets_are_fresh_each_step_even_when_empty() -> None:
+def test_a_step_where_nothing_finished_gets_one_frozen_empty_answer() -> None:
+    """Shared, so that such a step allocates nothing; frozen, so that anyone changing it
+    fails at once instead of reporting requests into later steps."""
     worker = connector(KvpushConnector, "worker")
     a, b = worker.get_transfer_results(set()), worker.get_transfer_results(set())
-    assert a.finished_recving == set() and a.finished_recving is not b.finished_recving
+    assert a is b is NOTHING_FINISHED
+    assert not (a.finished_sending or a.finished_recving or a.failed_recving)
+    with pytest.raises(AttributeError):
+        a.finished_recving.add("r0")  # type: ignore[attr-defined]
     worker.worker.results.received("r1", failed_blocks=(7,))
-    assert worker.get_transfer_results(set()).finished_recving == {"r1"}
+    worker.worker.results.sent("r2")
+    done = worker.get_transfer_results(set())
+    assert (done.finished_recving, done.finished_sending) == ({"r1"}, {"r2"})
+    done.finished_recving.add("mine")  # a step's real sets are its own
     assert worker.get_block_ids_with_load_errors() == {7}
-    assert worker.get_transfer_results(set()).finished_recving == set()
+    assert worker.get_transfer_results(set()) is NOTHING_FINISHED
     assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_a_step_with_nothing_to_hand_over_touches_no_part() -> None:
+    """bind_connector_metadata keeps the metadata (as the base class does) and hands the
+    part only what there is: an empty step reaches neither the inbox nor the timer."""
+
+    class Exploding:
+        @property
+        def inbox(self) -> Any:
+            raise AssertionError("an empty step reached the part")
+
+    worker = connector(KvpushConnector, "worker")
+    worker.worker.part = Exploding()
+    worker.bind_connector_metadata(EMPTY_METADATA)
+    assert worker._get_connector_metadata() is EMPTY_METADATA
+    assert worker.worker.timer("bind_connector_metadata").calls == 0
+    worker.worker.part = StubPart()
+    spec = recv_spec()
+    worker.bind_connector_metadata(SimpleNamespace(recv=[spec], send=[], aborted=[]))
+    assert worker.worker.part.inbox.get_nowait()[0] is spec
+    assert worker.worker.timer("bind_connector_metadata").calls == 1
+
+
+def test_a_step_that_reports_nothing_stays_out_of_the_scheduler_side() -> None:
+    sched = connector(KvpushConnector, "scheduler")
+    side = sched.scheduler
+    req = push_request(1)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+    sched.build_connector_meta(None)
+    assert req.request_id in side._receiving
+
+    class Refuse:
+        def update_connector_output(self, *args: Any) -> None:
+            raise AssertionError("an empty output reached the scheduler side")
+
+    sched.scheduler = Refuse()
+    sched.update_connector_output(FakeOutput())
+    sched.update_connector_output(FakeOutput(set(), set()))
+    sched.scheduler = side
+    sched.update_connector_output(FakeOutput(finished_recving={req.request_id}))
+    assert req.request_id not in side._receiving
 
 
 def test_stats_carry_transfers_at_once_and_hook_timings_at_most_every_interval(
@@ -224,26 +278,34 @@ def test_stats_carry_transfers_at_once_and_hook_timings_at_most_every_interval(
     clock = [100.0]
     monkeypatch.setattr(connector_module.time, "monotonic", lambda: clock[0])
     worker = connector(KvpushConnector, "worker")
-    worker.bind_connector_metadata(EMPTY_METADATA)
+    handing = SimpleNamespace(recv=[recv_spec()], send=[], aborted=[])  # a step with a spec
+    worker.bind_connector_metadata(handing)
     first = worker.get_kv_connector_stats()  # the first call sends what the hooks cost
     assert first is not None and first.data["hook_calls"] == {"worker.bind_connector_metadata": 1}
     for _ in range(5):
-        worker.bind_connector_metadata(EMPTY_METADATA)
+        worker.bind_connector_metadata(handing)
         assert worker.get_kv_connector_stats() is None  # only timings: held back
     worker.worker.results.observe(bytes=4096.0, write_s=0.001)
     news = worker.get_kv_connector_stats()  # a transfer: at once, with the timings so far
     assert news is not None and news.data["bytes"] == [4096.0]
     assert news.data["hook_calls"] == {"worker.bind_connector_metadata": 5}
-    worker.bind_connector_metadata(EMPTY_METADATA)
+    worker.bind_connector_metadata(handing)
     assert worker.get_kv_connector_stats() is None
     clock[0] += STATS_EVERY_S
     later = worker.get_kv_connector_stats()
     assert later is not None and later.data["hook_calls"] == {"worker.bind_connector_metadata": 1}
     sched = connector(KvpushConnector, "scheduler")
-    sched.build_connector_meta(None)
+
+    def ship(i: int) -> None:  # a step that ships a spec (an empty one is not timed)
+        req = push_request(i)
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+        assert sched.build_connector_meta(None) is not EMPTY_METADATA
+
+    ship(1)
     stats = sched.get_kv_connector_stats()
-    assert stats is not None and stats.data["hook_calls"] == {"scheduler.build_connector_meta": 1}
-    sched.build_connector_meta(None)
+    assert stats is not None and stats.data["hook_calls"]["scheduler.build_connector_meta"] == 1
+    ship(2)
     assert sched.get_kv_connector_stats() is None
     clock[0] += STATS_EVERY_S
     assert sched.get_kv_connector_stats() is not None
