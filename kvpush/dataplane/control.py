@@ -71,6 +71,7 @@ from kvpush.core.protocol import (
     greeting,
     parse_greeting,
 )
+from kvpush.dataplane import threads
 
 log = logging.getLogger(__name__)
 
@@ -347,6 +348,7 @@ class ControlServer:
     # The server thread
 
     def _run(self) -> None:
+        threads.background()
         assert self._selector is not None and self._listener is not None
         assert self._wake is not None
         try:

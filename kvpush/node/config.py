@@ -24,6 +24,7 @@ from typing import Any
 
 from kvpush.core.protocol import MODES
 from kvpush.dataplane.control import Limits
+from kvpush.dataplane.threads import POLICIES
 from kvpush.node.address import check_advertised
 from kvpush.node.faults import ENV as FAULTS_ENV
 from kvpush.node.faults import Faults
@@ -75,6 +76,9 @@ class KvpushConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # How kvpush's threads share a core with the engine loop (kvpush.dataplane.threads):
+    # "batch" (Linux SCHED_BATCH: waking them never preempts vLLM's threads) or "normal".
+    thread_policy: str = "batch"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -84,6 +88,11 @@ class KvpushConfig:
         if self.transfer_timeout_s <= 0 or self.lease_s <= 0 or self.fence_s < 0:
             raise ValueError(
                 "transfer_timeout_s and lease_s must be positive seconds, fence_s not negative"
+            )
+        if self.thread_policy not in POLICIES:
+            raise ValueError(
+                f"kv_connector_extra_config.thread_policy must be one of {POLICIES}, "
+                f"got {self.thread_policy!r}"
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"side-channel port {self.port} is out of range")
@@ -131,6 +140,7 @@ class KvpushConfig:
             "secret_env",
             "insecure",
             "backend",
+            "thread_policy",
             *CONTROL_LIMITS,
             *TLS_KEYS,
         }
@@ -172,6 +182,7 @@ class KvpushConfig:
             secret=secret.encode() if secret else None,
             insecure=insecure and secret is None,
             backend=str(extra.get("backend", "UCX")),
+            thread_policy=str(extra.get("thread_policy", "batch")),
             faults=Faults.parse(env.get(FAULTS_ENV, "")),
             control=Limits(**limits),
             **{key: str(extra.get(key, "")) for key in TLS_KEYS},

@@ -13,6 +13,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 
+from kvpush.dataplane import threads
 from kvpush.node.results import Results
 
 log = logging.getLogger("kvpush.worker")
@@ -59,6 +60,7 @@ class Loop(threading.Thread):
         heapq.heappush(self._later, (time.monotonic() + delay, next(self._seq), item, at))
 
     def run(self) -> None:
+        threads.background()
         while not self._stopping:
             try:
                 item, at = self.inbox.get(timeout=self.wait_time())

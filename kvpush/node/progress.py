@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvpush.dataplane import threads
 from kvpush.dataplane.transport import NixlTransport, TransferError
 from kvpush.node.pull import LeaseKeeper
 from kvpush.node.push import PushWriter
@@ -70,6 +71,7 @@ class TargetProgress(threading.Thread):
             self.join(timeout=5)
 
     def run(self) -> None:
+        threads.background()
         while not self._stopping:
             self._event.wait()
             self._event.clear()

@@ -56,6 +56,7 @@ from kvpush.core.protocol import (
     Writing,
     check_compatible,
 )
+from kvpush.dataplane import threads
 from kvpush.dataplane.control import ControlServer, Peer, tls_contexts
 from kvpush.dataplane.transport import NixlTransport
 from kvpush.node.address import listen_failed
@@ -115,6 +116,7 @@ class WorkerSide:
         mode needs and the control server. `mem` is "VRAM" for GPU KV, so NIXL moves it
         with GPUDirect where the backend can; `transport` replaces NIXL in tests."""
         ident, config = self.identity, self.config
+        threads.configure(config.thread_policy)  # before any of our threads starts
         server_tls = client_tls = None
         if config.tls:  # first: unreadable files fail before anything is registered
             server_tls, client_tls = tls_contexts(config.tls_cert, config.tls_key, config.tls_ca)

@@ -1,0 +1,81 @@
+"""kvpush's threads never preempt the engine loop: each runs under SCHED_BATCH (Linux),
+unless `thread_policy: "normal"` says otherwise. Read back from the kernel, per thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvpush.dataplane import threads
+from kvpush.dataplane.control import ControlServer
+from kvpush.node.config import KvpushConfig
+from kvpush.node.loop import Loop
+from kvpush.node.progress import TargetProgress
+from kvpush.node.results import Results
+from tests.control_peers import Recorder
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux only")
+
+
+@pytest.fixture(autouse=True)
+def default_policy() -> Iterator[None]:
+    yield
+    threads.configure("batch")
+
+
+class Idle(Loop):
+    """A part's loop with nothing to do."""
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    def handle(self, item: object, at: float) -> None:
+        return None
+
+    def tick(self) -> None:
+        return None
+
+
+def policy_of(thread: threading.Thread) -> int:
+    deadline = time.monotonic() + 5
+    while thread.native_id is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert thread.native_id is not None
+    time.sleep(0.05)  # the thread sets its policy first thing in run()
+    return os.sched_getscheduler(thread.native_id)
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"), [("batch", "SCHED_BATCH"), ("normal", "SCHED_OTHER")]
+)
+def test_every_kind_of_kvpush_thread_takes_the_policy(policy: str, expected: str) -> None:
+    threads.configure(policy)
+    want = getattr(os, expected)
+    loop = Idle(Results(), "kvpush-test-loop")
+    loop.start()
+    progress = TargetProgress(lambda: None, lambda: False, "kvpush-test-progress")
+    progress.start()
+    try:
+        with ControlServer("127.0.0.1", 0, Recorder()) as server:
+            assert server._thread is not None
+            assert policy_of(server._thread) == want
+        assert policy_of(loop) == want
+        assert policy_of(progress) == want
+    finally:
+        loop.stop()
+        progress.stop()
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread: untouched
+
+
+def test_the_setting_is_checked_and_defaults_to_batch() -> None:
+    assert KvpushConfig().thread_policy == "batch"
+    config = KvpushConfig.from_extra({"thread_policy": "normal", "insecure": True}, env={})
+    assert config.thread_policy == "normal"
+    with pytest.raises(ValueError, match=r"thread_policy must be one of \('batch', 'normal'\)"):
+        KvpushConfig.from_extra({"thread_policy": "fifo", "insecure": True}, env={})
+    with pytest.raises(ValueError, match="thread_policy"):
+        threads.configure("idle")
