@@ -11,7 +11,8 @@ hook vLLM calls on its scheduler and worker main threads - the same wrapper for 
 connectors and ours. The warm-up request (first contact between the servers: handshakes,
 first registrations) is reported on its own; per request is the load's total divided by
 its requests, per step the worker's total over the load divided by its engine steps (calls
-of start_load_kv).
+of start_load_kv), and p50 the median step's total: a few steps where the worker lost its
+core weigh on the mean, not on the median.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvpush.args import (
     positive_list,
     positive_numbers,
 )
-from kvpush.bench import compare, plot, results, soak, sweep, turns
+from kvpush.bench import compare, plot, results, soak, sweep, timed, turns
 from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.pinning import NO_PIN_HELP
@@ -349,7 +350,7 @@ def hook_rows(reports: list[compare.SetupReport], requests: int) -> list[list[st
     rows = []
     for report in reports:
         if not report.hooks:
-            rows.append([report.setup, report.status, "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([report.setup, report.status] + ["-"] * 9)
             continue
         cells = [report.setup, report.status]
         for server in ("decode-0", "prefill-0"):
@@ -359,6 +360,8 @@ def hook_rows(reports: list[compare.SetupReport], requests: int) -> list[list[st
             steps = ledger.get("worker", {}).get("calls", {}).get("start_load_kv", 0)
             cells.append(f"{1e3 * (worker_s + sched_s) / requests:.3f}")
             cells.append(f"{1e6 * worker_s / steps:.1f}" if steps else "-")
+            median = timed.step_quantile(ledger.get("worker", {}).get("steps", {}), 0.5)
+            cells.append(f"{1e6 * median:.0f}" if median is not None else "-")
         first = sum(
             sum(hook_totals(ledger, role)[0] for role in ("scheduler", "worker"))
             for ledger in report.hooks_warm_up.values()
@@ -382,8 +385,10 @@ def run_hooks(args: argparse.Namespace) -> int:
         "result",
         "decode ms/req",
         "decode us/step",
+        "p50",
         "prefill ms/req",
         "prefill us/step",
+        "p50",
         "warm-up ms",
         "TTFT p50",
         "TPOT p50",
@@ -397,8 +402,8 @@ def run_hooks(args: argparse.Namespace) -> int:
     print(format_table(header, hook_rows(reports, requests)))
     print(
         "(ms/req: all hooks' time over the load / its requests; us/step: worker hooks' time "
-        "over the load / its engine steps; warm-up ms: both servers' hooks during the warm-up "
-        "request; "
+        "over the load / its engine steps, p50: the median step's (bucketed, within 25 %); "
+        "warm-up ms: both servers' hooks during the warm-up request; "
         "TTFT/TPOT in ms at the client)"
     )
     return 0 if any(r.hooks for r in reports) else 1

@@ -12,6 +12,7 @@ connector's own metrics.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import importlib
 import json
@@ -53,16 +54,51 @@ WORKER_HOOKS = (
     "build_connector_worker_meta",
 )
 _OWN = {"KvpushConnector": "kvpush.vllm"}
+STEP_START = "bind_connector_metadata"  # vLLM calls it first in every worker step
 _cache: dict[str, type] = {}
 
 
+# Per-step totals (a worker's hooks from one bind_connector_metadata to the next, the
+# first hook of each step) go into log buckets: bucket k holds totals up to
+# STEP_BUCKET_S * STEP_BUCKET_GROWTH ** k, so a ledger stays small over hours of steps and
+# two readings subtract bucket by bucket. A quantile read from it is the bucket's upper
+# edge (at most 25 % above the true value).
+STEP_BUCKET_S = 1e-6
+STEP_BUCKET_GROWTH = 1.25
+STEP_BUCKETS = 72  # up to ~9 s
+_STEP_EDGES = [STEP_BUCKET_S * STEP_BUCKET_GROWTH**k for k in range(STEP_BUCKETS)]
+TABLES = ("seconds", "calls", "steps")
+
+
+def step_bucket(seconds: float) -> int:
+    return min(bisect.bisect_left(_STEP_EDGES, seconds), STEP_BUCKETS - 1)
+
+
+def step_quantile(steps: dict[str, int], q: float) -> float | None:
+    """The `q` quantile (0..1) of per-step totals in seconds, from a ledger's "steps"
+    table (the upper edge of the bucket it falls in); None without steps."""
+    counts = sorted((int(k), n) for k, n in steps.items() if n > 0)
+    total = sum(n for _, n in counts)
+    if not total:
+        return None
+    seen = 0
+    for bucket, n in counts:
+        seen += n
+        if seen >= q * total:
+            return _STEP_EDGES[bucket]
+    return _STEP_EDGES[counts[-1][0]]
+
+
 class HookLedger:
-    """Per-process totals: seconds and calls per hook, written out now and then."""
+    """Per-process totals: seconds and calls per hook, and (worker) the distribution of
+    per-step totals; written out now and then."""
 
     def __init__(self, role: str) -> None:
         self.role = role
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.steps: dict[str, int] = {}  # step_bucket(total) -> steps
+        self._step = -1.0  # this step's total so far (< 0: no step begun yet)
         self.depth = threading.local()
         self.lock = threading.Lock()
         self.changed = False
@@ -75,6 +111,13 @@ class HookLedger:
         with self.lock:
             self.seconds[hook] = self.seconds.get(hook, 0.0) + seconds
             self.calls[hook] = self.calls.get(hook, 0) + 1
+            if hook == STEP_START:  # a new step: the last one is complete
+                if self._step >= 0:
+                    key = str(step_bucket(self._step))
+                    self.steps[key] = self.steps.get(key, 0) + 1
+                self._step = 0.0
+            if self._step >= 0:
+                self._step += seconds
             self.changed = True
 
     def _dump_loop(self) -> None:
@@ -90,6 +133,7 @@ class HookLedger:
                 "role": self.role,
                 "seconds": self.seconds,
                 "calls": self.calls,
+                "steps": self.steps,
                 "at": time.monotonic(),  # for rates: one clock for every process
             }
             text = json.dumps(payload)
@@ -162,9 +206,9 @@ def read_ledgers(directory: Path) -> dict[str, dict[str, Any]]:
     totals: dict[str, dict[str, Any]] = {}
     for path in sorted(directory.glob("*.json")):
         data = json.loads(path.read_text())
-        role = totals.setdefault(data["role"], {"seconds": {}, "calls": {}})
-        for table in ("seconds", "calls"):
-            for hook, value in data[table].items():
+        role = totals.setdefault(data["role"], {table: {} for table in TABLES})
+        for table in TABLES:
+            for hook, value in data.get(table, {}).items():
                 role[table][hook] = role[table].get(hook, 0) + value
     return totals
 
@@ -182,6 +226,7 @@ def subtract_ledgers(
                 hook: value - earlier.get(table, {}).get(hook, 0)
                 for hook, value in tables.get(table, {}).items()
             }
-            for table in ("seconds", "calls")
+            for table in TABLES
+            if table in tables or table in earlier
         }
     return out

@@ -67,11 +67,15 @@ def test_hook_rows_divide_by_requests_and_steps() -> None:
     report = SetupReport("kvpush-push", "ok", results=[RequestResult(0, "x", 2, 0.1, 0.01)])
     report.hooks = {"decode-0": ledger, "prefill-0": ledger}
     (row,) = hook_rows([report], requests=10)
-    assert row[:4] == ["kvpush-push", "ok", "1.000", "40.0"]
-    assert row[6] == "-"  # no warm-up reading
+    assert row[:5] == ["kvpush-push", "ok", "1.000", "40.0", "-"]  # no step table: no p50
+    assert row[8] == "-"  # no warm-up reading
+    ledger["worker"]["steps"] = {str(timed.step_bucket(30e-6)): 99, "60": 1}
     report.hooks_warm_up = {"decode-0": ledger, "prefill-0": ledger}
     (row,) = hook_rows([report], requests=10)
-    assert row[6] == "20.000"  # both servers' hooks, both sides, in ms
+    median = timed.step_quantile(ledger["worker"]["steps"], 0.5)
+    assert median is not None and row[4] == row[7] == f"{1e6 * median:.0f}"
+    assert 30 <= float(row[4]) <= 30 * timed.STEP_BUCKET_GROWTH
+    assert row[8] == "20.000"  # both servers' hooks, both sides, in ms
     (missing,) = hook_rows([SetupReport("vllm-push", "stalled")], requests=10)
     assert missing[1] == "stalled" and missing[2] == "-" and len(missing) == len(row)
 
@@ -92,3 +96,29 @@ def test_the_load_is_counted_without_the_warm_up() -> None:
     assert steady["worker"]["calls"] == {"start_load_kv": 7, "get_finished": 7}
     assert steady["worker"]["seconds"]["start_load_kv"] == pytest.approx(0.003)
     assert steady["scheduler"] == after["scheduler"]  # nothing of it before
+
+
+def test_the_worker_ledger_keeps_the_distribution_of_per_step_totals() -> None:
+    """A step runs from one bind_connector_metadata to the next; one slow step moves the
+    mean, not the median; readings subtract bucket by bucket."""
+    ledger = timed.HookLedger("worker")
+    ledger.record("get_finished", 0.5)  # before the first step: not a step of its own
+    for _ in range(9):
+        ledger.record("bind_connector_metadata", 4e-6)
+        ledger.record("get_transfer_results", 6e-6)
+    ledger.record("bind_connector_metadata", 0.002)  # closes the ninth step
+    ledger.record("bind_connector_metadata", 1e-6)  # closes the slow tenth
+    assert sum(ledger.steps.values()) == 10
+    median = timed.step_quantile(ledger.steps, 0.5)
+    assert median is not None and 10e-6 <= median <= 10e-6 * timed.STEP_BUCKET_GROWTH
+    slowest = timed.step_quantile(ledger.steps, 1.0)
+    assert slowest is not None and slowest >= 0.002
+    assert timed.step_quantile({}, 0.5) is None
+    before = {"worker": {"seconds": {}, "calls": {}, "steps": dict(ledger.steps)}}
+    ledger.record("bind_connector_metadata", 1e-6)
+    after = {"worker": {"seconds": {}, "calls": {}, "steps": dict(ledger.steps)}}
+    steady = timed.subtract_ledgers(after, before)["worker"]["steps"]
+    assert sum(steady.values()) == 1
+    scheduler = timed.HookLedger("scheduler")
+    scheduler.record("build_connector_meta", 1e-6)
+    assert scheduler.steps == {}
