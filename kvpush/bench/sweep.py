@@ -35,7 +35,7 @@ from kvpush.bench import results as res
 from kvpush.bench import trace
 from kvpush.bench.results import Point
 from kvpush.testbed import scrape
-from kvpush.testbed.pinning import confined, pin_preexec
+from kvpush.testbed.pinning import OWN_GROUP, confined, pin_preexec
 from kvpush.testbed.topology import (
     PairSettings,
     StartupError,
@@ -408,7 +408,7 @@ def run_point(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
-            start_new_session=True,
+            **OWN_GROUP,
             preexec_fn=None if client is None else pin_preexec(client),
         )
         if tracer is not None:

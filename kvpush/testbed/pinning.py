@@ -77,6 +77,18 @@ def plan_cores(
     return CorePlan(tuple(tuple(share) for share in shares), tuple(rest or cores), pin)
 
 
+# How the testbed starts a server (or any process tree it signals as a whole): in a process
+# group of its own, so that one signal reaches the whole tree, but in the caller's session.
+# A session of its own (setsid) would also be a scheduling group of its own under Linux's
+# autogroup (CONFIG_SCHED_AUTOGROUP, on by default), and the kernel then shares each core
+# fairly between sessions before threads: where two servers share a core (TP 2 on a 2-core
+# machine), the session whose load lies mostly on its other core gets a weight near zero
+# on the shared one, and its TP rank there stood runnable and unrun for a minute at a time
+# while the other server's worker polled vLLM's queue. In one session each thread gets its
+# share.
+OWN_GROUP: dict[str, Any] = {"process_group": 0}
+
+
 def pin_preexec(cores: Sequence[int]) -> Callable[[], None]:
     """A Popen `preexec_fn` that gives the child (and so everything it starts) `cores`.
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from kvpush.proxy.rewrite import Backend
 from kvpush.testbed.hosts import UCX_ENV, Host
-from kvpush.testbed.pinning import CorePlan, parse_cpu_list, pin_preexec, plan_cores
+from kvpush.testbed.pinning import OWN_GROUP, CorePlan, parse_cpu_list, pin_preexec, plan_cores
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,7 +602,7 @@ class Topology:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     env={**os.environ, **spec.env},
-                    start_new_session=True,
+                    **OWN_GROUP,
                     preexec_fn=pin_preexec(spec.cores) if spec.pinned else None,
                 )
 

@@ -24,6 +24,7 @@ import pytest
 
 from kvpush.testbed import scrape
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
+from kvpush.testbed.pinning import OWN_GROUP
 from kvpush.testbed.topology import Topology, TopologyConfig, http_ok, port_in_use
 
 BASE_PORT = int(os.environ.get("KVPUSH_TEST_PORT", "18000"))
@@ -207,7 +208,7 @@ def launch(
         *extra,
     ]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **OWN_GROUP
     )
     return Deployment(
         setup,

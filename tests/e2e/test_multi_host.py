@@ -56,6 +56,7 @@ from kvpush.plan.model_config import read_model
 from kvpush.proxy.rewrite import Backend, format_backend
 from kvpush.testbed import hosts as netns
 from kvpush.testbed import scrape
+from kvpush.testbed.pinning import OWN_GROUP
 from kvpush.testbed.topology import http_ok, log_tail
 from kvpush.testbed.topology_proxy import warm_up
 from tests.e2e.conftest import (
@@ -179,7 +180,7 @@ def start_server(server: Server, model: Path, mode: str, core: int, workdir: Pat
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=server_env(core, workdir),
-            start_new_session=True,
+            **OWN_GROUP,
         )
 
 

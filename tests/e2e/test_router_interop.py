@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from kvpush.testbed import scrape
+from kvpush.testbed.pinning import OWN_GROUP
 from kvpush.testbed.topology import http_ok
 from tests.e2e.conftest import (
     BASE_PORT,
@@ -105,7 +106,7 @@ def running_router(binary: Path, deployment: Deployment, log: Path) -> Iterator[
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
-            start_new_session=True,
+            **OWN_GROUP,
         )
     url = f"http://127.0.0.1:{ROUTER_PORT}"
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ import pytest
 
 from kvpush.testbed import pinning, topology
 from kvpush.testbed.pinning import (
+    OWN_GROUP,
     check_confined,
     confined,
     parse_cpu_list,
@@ -114,10 +116,26 @@ def test_each_server_is_spawned_with_its_cores_as_affinity(
         preexec = spawn["preexec_fn"]
         assert isinstance(preexec, functools.partial)
         assert (preexec.func, preexec.args) == (os.sched_setaffinity, (0, frozenset({core})))
-        assert spawn["start_new_session"]
+    for spawn in FakePopen.started:
+        assert spawn["process_group"] == 0 and "start_new_session" not in spawn
     assert [s["preexec_fn"] for s in loose] == [None, None]
     assert (tmp_path / "pinned/logs/decode-0.log").read_text().startswith("$ (on cores 1) /")
     assert (tmp_path / "loose/logs/decode-0.log").read_text().startswith("$ /")
+
+
+def test_a_server_gets_its_own_process_group_in_the_callers_session() -> None:
+    """One signal reaches a server's whole tree, but the server shares the caller's session
+    and so its autogroup: a session per server would let Linux starve the one whose TP
+    rank shares a core with another server (see OWN_GROUP)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], **OWN_GROUP)
+    try:
+        assert os.getpgid(child.pid) == child.pid != os.getpgid(0)
+        assert os.getsid(child.pid) == os.getsid(0)
+        os.killpg(child.pid, signal.SIGTERM)
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
 
 
 CHILD = """
@@ -136,7 +154,7 @@ def test_a_real_process_tree_inherits_the_affinity() -> None:
         [sys.executable, "-c", CHILD],
         stdout=subprocess.PIPE,
         preexec_fn=pin_preexec([core]),
-        start_new_session=True,
+        **OWN_GROUP,
     )
     try:
         assert child.stdout is not None and child.stdout.readline() == b"ready\n"
