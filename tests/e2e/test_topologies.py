@@ -13,7 +13,10 @@ at a time, next to a plain vLLM server as the reference:
   prefill ranks);
 - 2p2d: two prefills and two decodes behind the proxy; a burst spreads over both decodes;
 - decode-dp2: decode runs two data-parallel engines (their own control ports and engine
-  ids); requests reach both.
+  ids); requests reach both;
+- prefill-dp2 (pull only: push refuses a data-parallel prefill at start, since decode
+  registers before vLLM's front end picks the engine): each prefill engine answers with
+  its own control port, and a burst reaches both engines.
 
 Every answer must equal the reference's at temperature 0, decode's external-KV token
 counter must grow by the prompt's tokens, and no kvpush failure may be counted. vLLM's CPU
@@ -75,6 +78,7 @@ class Case:
     decodes: int = 1
     workers: int = 2  # control ports all servers' workers take
     refused: str = ""  # kvpush refuses the pair: what the servers' logs must say
+    modes: tuple[str, ...] = ("kvpush-push", "kvpush-pull")
 
 
 # A TP 2 or DP 2 server takes both cores of a 2-core machine, the other server's too:
@@ -89,6 +93,7 @@ CASES = {
     "tp2-to-tp1": Case(("--prefill-tp", "2", "--no-pin"), workers=3),
     "2p2d": Case(("--prefill", "2", "--decode", "2"), prefills=2, decodes=2, workers=4),
     "decode-dp2": Case(("--decode-dp", "2", "--no-pin"), workers=3),
+    "prefill-dp2": Case(("--prefill-dp", "2", "--no-pin"), workers=3, modes=("kvpush-pull",)),
 }
 DEFAULT = ("2p2d:kvpush-push", "tp2-to-tp1:kvpush-push")
 MODES = ("kvpush-push", "kvpush-pull")
@@ -104,12 +109,12 @@ def chosen() -> set[tuple[str, str]]:
     pairs = set()
     for name in names or DEFAULT:
         case, _, mode = name.partition(":")
-        if case not in CASES or mode not in ("", *MODES):
+        if case not in CASES or mode not in ("", *CASES[case].modes):
             raise ValueError(
                 f"KVPUSH_TOPOLOGIES: unknown {name!r}; cases: {', '.join(CASES)}, "
-                f"optionally :{' or :'.join(MODES)}"
+                f"optionally :{' or :'.join(MODES)} (prefill-dp2: pull only)"
             )
-        pairs |= {(case, m) for m in ([mode] if mode else MODES)}
+        pairs |= {(case, m) for m in ([mode] if mode else CASES[case].modes)}
     return pairs
 
 
@@ -176,7 +181,7 @@ def log_excerpt(workdir: Path, lines: int = 40) -> str:
 
 @pytest.fixture(
     scope="module",
-    params=[(name, setup) for name in CASES for setup in MODES],
+    params=[(name, setup) for name in CASES for setup in CASES[name].modes],
     ids=lambda p: f"{p[0]}-{p[1]}",
 )
 def running(
@@ -240,7 +245,10 @@ def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
         logs = "".join(p.read_text(errors="replace") for p in running.work.glob("**/logs/*.log"))
         assert case.refused in logs, log_excerpt(running.work)
         assert scrape.total(scrape.scrape(decodes[0]), "kvpush:failures_total") > 0
-        print(f"\n{setup} {case.args}: refused, the logs say {case.refused!r}")
+        print(
+            f"\n{setup} {case.args}: healthy {running.started_s:.0f} s after launch; "
+            f"refused, the logs say {case.refused!r}"
+        )
         return
     for prompt in PROMPTS:
         before = sum(totals(decodes, EXTERNAL, source="external_kv_transfer"))
@@ -253,17 +261,20 @@ def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
     print(f"\n{setup} {case.args}: healthy {running.started_s:.0f} s after launch")
 
 
-def test_a_burst_is_answered_right_and_reaches_every_decode_engine(
+def test_a_burst_is_answered_right_and_reaches_every_engine(
     running: Running, model: Path, reference: dict[str, str]
 ) -> None:
-    """2 decodes: the proxy's load-aware choice spreads a burst over both; DP 2: vLLM's
-    front end spreads it over both engines (each counts its own requests)."""
+    """2 decodes: the proxy's load-aware choice spreads a burst over both; DP 2 on either
+    side: vLLM's front end spreads it over both engines (each counts its own requests)."""
     deployment, case, setup = running.deployment, running.case, running.setup
-    decodes = decode_urls(deployment, case)
-    engines = 2 if "--decode-dp" in case.args else 1
-    if case.decodes == 1 and engines == 1:
-        pytest.skip("one decode engine: nothing to spread over")
-    before = _per_engine(decodes, engines)
+    if "--prefill-dp" in case.args:
+        role, urls, engines = "prefill", prefill_urls(deployment, case), 2
+    else:
+        role, urls = "decode", decode_urls(deployment, case)
+        engines = 2 if "--decode-dp" in case.args else 1
+    if len(urls) == 1 and engines == 1:
+        pytest.skip("one engine on each side: nothing to spread over")
+    before = _per_engine(urls, engines)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(BURST)]
     started = time.monotonic()
     with ThreadPoolExecutor(BURST) as pool:
@@ -276,14 +287,12 @@ def test_a_burst_is_answered_right_and_reaches_every_decode_engine(
     took = time.monotonic() - started
     for prompt, answer in zip(prompts, answers, strict=True):
         assert answer["choices"][0]["text"] == reference[prompt], (setup, prompt)
-    served = [a - b for a, b in zip(_per_engine(decodes, engines), before, strict=True)]
+    served = [a - b for a, b in zip(_per_engine(urls, engines), before, strict=True)]
     assert sum(served) == BURST and all(n > 0 for n in served), served
-    print(f"\n{setup}: burst of {BURST} in {took:.1f} s, per decode engine {served}")
+    print(f"\n{setup}: burst of {BURST} in {took:.1f} s, per {role} engine {served}")
 
 
-def _per_engine(decodes: list[str], engines: int) -> list[float]:
+def _per_engine(urls: list[str], engines: int) -> list[float]:
     if engines == 1:
-        return totals(decodes, SUCCESS)
-    return [
-        sum(totals(decodes, SUCCESS, engine=str(engine))) for engine in range(engines)
-    ]
+        return totals(urls, SUCCESS)
+    return [sum(totals(urls, SUCCESS, engine=str(engine))) for engine in range(engines)]
