@@ -71,6 +71,9 @@ SUCCESS = "vllm:request_success_total"
 FP32 = ("--dtype", "float32")
 
 
+MODES = ("kvpush-push", "kvpush-pull")
+
+
 @dataclass(frozen=True)
 class Case:
     args: tuple[str, ...]
@@ -78,7 +81,7 @@ class Case:
     decodes: int = 1
     workers: int = 2  # control ports all servers' workers take
     refused: str = ""  # kvpush refuses the pair: what the servers' logs must say
-    modes: tuple[str, ...] = ("kvpush-push", "kvpush-pull")
+    modes: tuple[str, ...] = MODES  # the kvpush modes it runs in
 
 
 # A TP 2 or DP 2 server takes both cores of a 2-core machine, the other server's too:
@@ -96,7 +99,6 @@ CASES = {
     "prefill-dp2": Case(("--prefill-dp", "2", "--no-pin"), workers=3, modes=("kvpush-pull",)),
 }
 DEFAULT = ("2p2d:kvpush-push", "tp2-to-tp1:kvpush-push")
-MODES = ("kvpush-push", "kvpush-pull")
 REFERENCE_PORT = BASE_PORT + 400
 BURST = 8
 
@@ -112,7 +114,7 @@ def chosen() -> set[tuple[str, str]]:
         if case not in CASES or mode not in ("", *CASES[case].modes):
             raise ValueError(
                 f"KVPUSH_TOPOLOGIES: unknown {name!r}; cases: {', '.join(CASES)}, "
-                f"optionally :{' or :'.join(MODES)} (prefill-dp2: pull only)"
+                f"optionally :{' or :'.join(MODES)} where the case runs in that mode"
             )
         pairs |= {(case, m) for m in ([mode] if mode else CASES[case].modes)}
     return pairs
