@@ -76,6 +76,18 @@ log = logging.getLogger("kvpush.worker")
 Part = PushWriter | LeaseKeeper | Receiver
 Route = Callable[[Any, Peer], Message | None]
 
+# The started nodes of this process that are their engine's only rank, by engine id. With
+# one rank vLLM runs the worker inside the engine core process, on the scheduler's own
+# thread (its in-process executor), and the scheduler side hands its specs straight to
+# the node (`in_process`) instead of shipping them in the next step's metadata: a
+# finished prefill's WRITE then starts a whole engine step earlier.
+_IN_PROCESS: dict[str, WorkerSide] = {}
+
+
+def in_process(engine_id: str) -> WorkerSide | None:
+    """The node of `engine_id` if it runs in this process and is the engine's only rank."""
+    return _IN_PROCESS.get(engine_id)
+
 
 class WorkerSide:
     """One TP rank's node; `start` it once vLLM's KV cache is allocated."""
@@ -162,6 +174,8 @@ class WorkerSide:
             self.server.start()
         except OSError as exc:
             raise listen_failed(exc, config.listen_host, config.host) from exc
+        if ident.tp_size == 1:
+            _IN_PROCESS[ident.engine_id] = self
         log.info(
             "kvpush %s worker %d/%d: %d KV regions x %d blocks of %d tokens, %d of %d KV heads "
             "(%s), control on %s:%d (listening on %s)",
@@ -279,18 +293,25 @@ class WorkerSide:
         """The engine loop's specs for this step, queued for the part (O(1) each); called
         as vLLM binds the step's metadata, before its forward."""
         with self._hand_off_span:
-            part = self.part
-            if part is None or not (recv or send or aborted):
-                return
-            now = time.monotonic()
-            # prefill takes finished prefills, decode its allocations; both take aborts but
-            # a pull prefill, whose request that ended early granted no lease
-            items = send if self.identity.role == "prefill" else recv
-            for item in items:
-                part.inbox.put((item, now))
-            if not isinstance(part, LeaseKeeper):
-                for abort in aborted:
-                    part.inbox.put((abort, now))
+            self.queue(recv, send, aborted)
+
+    def queue(
+        self, recv: Sequence[RecvSpec], send: Sequence[SendSpec], aborted: Sequence[AbortSpec]
+    ) -> None:
+        """`hand_off` untimed: the scheduler side's hooks call it directly when this node
+        runs in their process (`in_process`), inside their own timed span."""
+        part = self.part
+        if part is None or not (recv or send or aborted):
+            return
+        now = time.monotonic()
+        # prefill takes finished prefills, decode its allocations; both take aborts but
+        # a pull prefill, whose request that ended early granted no lease
+        items = send if self.identity.role == "prefill" else recv
+        for item in items:
+            part.inbox.put((item, now))
+        if not isinstance(part, LeaseKeeper):
+            for abort in aborted:
+                part.inbox.put((abort, now))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self._finished_span:
@@ -319,6 +340,8 @@ class WorkerSide:
         return data
 
     def shutdown(self) -> None:
+        if _IN_PROCESS.get(self.identity.engine_id) is self:
+            del _IN_PROCESS[self.identity.engine_id]
         if self.server is not None:
             self.server.stop()
         if self.part is not None:

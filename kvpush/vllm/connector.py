@@ -20,7 +20,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpush.node.config import ROLES, KvpushConfig
 from kvpush.node.context import Identity
-from kvpush.node.worker import WorkerSide
+from kvpush.node.worker import WorkerSide, in_process
 from kvpush.vllm.layout import (
     PACKED_BLOCK_BACKENDS,
     UnsupportedKVCache,
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger("kvpush.connector")
 
 # How often the hooks' own timings go out with the stats. vLLM asks for stats at every
 # engine step (~1000 a second while decode waits for KV), and each one it gets is shipped
@@ -79,6 +80,9 @@ NOTHING_FINISHED = KVConnectorTransferResults(
     finished_recving=frozenset(),  # type: ignore[arg-type]
     failed_recving=frozenset(),  # type: ignore[arg-type]
 )
+
+
+NO_LOAD_ERRORS: frozenset[int] = frozenset()
 
 
 class KvpushConnector(KVConnectorBase_V1):
@@ -130,6 +134,11 @@ class KvpushConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # vLLM builds the scheduler after its executor set up the KV cache, so a node
+            # in this process (the in-process executor, one rank) has started by now
+            node = in_process(engine_id)
+            if node is not None:
+                log.info("kvpush: the engine's worker runs in this process; specs go to it at once")
             self.scheduler = SchedulerSide(
                 self.config,
                 engine_id,
@@ -137,6 +146,7 @@ class KvpushConnector(KVConnectorBase_V1):
                 tp_size=parallel.tensor_parallel_size,
                 block_size=self.facts.block_size,
                 dp_index=dp_index,
+                local=node.queue if node is not None else None,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -277,16 +287,22 @@ class KvpushConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks decode will not receive; in a step with none (nearly all), one shared
+        empty answer, which vLLM only reads."""
         assert self.worker is not None
+        if not self.worker.results.load_errors:
+            return NO_LOAD_ERRORS  # type: ignore[return-value]
         return self.worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """What is new since the last stats: at once when a transfer or failure was
-        recorded, else the hook timings at most every `STATS_EVERY_S` (None between)."""
+        """What is new since the last stats: a transfer or failure at the step it was
+        recorded (just that), everything else - the hook timings, gauges, rejected
+        messages - at most every `STATS_EVERY_S` (None between)."""
         now = time.monotonic()
-        news = self.worker is not None and self.worker.has_news()
-        if now < self._stats_due and not news:
-            return None
+        if now < self._stats_due:
+            if self.worker is None or not self.worker.has_news():
+                return None
+            return KvpushStats(self.worker.results.take_data())
         self._stats_due = now + STATS_EVERY_S
         if self.worker is not None:
             stats = KvpushStats(self.worker.stats_data())

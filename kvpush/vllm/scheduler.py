@@ -6,12 +6,15 @@ where background threads do the talking. Both modes take the same decisions: dec
 records the blocks it allocated for remote KV, prefill keeps a finished prefill's blocks
 until its worker says they moved; in pull mode prefill also answers with the coordinates
 decode reads from.
+
+With one rank per engine vLLM runs the worker in this very process and thread; the
+hooks then hand each spec to the node at once (`local`), not in the next step's metadata.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpush.core.protocol import grant
@@ -26,6 +29,9 @@ if TYPE_CHECKING:
 
 _DONE_MARK = "_kvpush_registered"
 
+# A node's untimed hand-off (`WorkerSide.queue`): recv, send and aborted specs.
+HandOff = Callable[[Sequence[RecvSpec], Sequence[SendSpec], Sequence[AbortSpec]], None]
+
 
 class SchedulerSide:
     def __init__(
@@ -36,8 +42,11 @@ class SchedulerSide:
         tp_size: int = 1,
         block_size: int = 16,
         dp_index: int = 0,
+        local: HandOff | None = None,
     ) -> None:
         self.config = config
+        # the node's hand-off when it runs in this process (vLLM's in-process executor)
+        self.local = local
         self.engine_id = engine_id
         self.is_producer = is_producer
         self.tp_size = tp_size
@@ -96,6 +105,7 @@ class SchedulerSide:
                 # decode's own cache holds the prompt: prefill's KV is not needed
                 self._aborted.append(self._prefill_abort(transfer_id, request.request_id, params))
                 params[_DONE_MARK] = True
+                self._hand_over()
                 return
             # A preempted request allocates again: a new generation fences the old blocks.
             generation = self._generations.get(transfer_id, -1) + 1
@@ -122,6 +132,7 @@ class SchedulerSide:
             )
             self._receiving[request.request_id] = transfer_id
             params[_DONE_MARK] = True
+            self._hand_over()
 
     @staticmethod
     def _prefill_abort(transfer_id: str, request_id: str, params: dict[str, Any]) -> AbortSpec:
@@ -133,6 +144,14 @@ class SchedulerSide:
             int(params.get("remote_port") or 0),
             int(params.get("tp_size") or 1),
         )
+
+    def _hand_over(self) -> None:
+        """With the node in this process, what the hook just decided goes to it now: its
+        thread starts a finished prefill's WRITE (or decode's registration) while vLLM
+        finishes the step, instead of at the next step's `bind_connector_metadata`."""
+        if self.local is not None:
+            self.local(self._recv, self._send, self._aborted)
+            self._recv, self._send, self._aborted = [], [], []
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
         if not (self._recv or self._send or self._aborted):
@@ -146,64 +165,71 @@ class SchedulerSide:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         with self.timer("request_finished"):
-            params = request.kv_transfer_params
-            if not params:
-                return False, None
-            self._held.pop(request.request_id, None)
-            transfer_id = str(params.get("transfer_id") or request.request_id)
-            if request.request_id in self._receiving:
-                # Decode ended (e.g. client gone) before its KV arrived: its worker stops
-                # the transfer, and vLLM frees the blocks once it reports the request.
-                del self._receiving[request.request_id]
-                self._generations.pop(transfer_id, None)
-                self._aborted.append(AbortSpec(transfer_id, request.request_id))
-                return False, None
+            answer = self._finished(request, block_ids)
+            self._hand_over()
+            return answer
+
+    def _finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        self._held.pop(request.request_id, None)
+        transfer_id = str(params.get("transfer_id") or request.request_id)
+        if request.request_id in self._receiving:
+            # Decode ended (e.g. client gone) before its KV arrived: its worker stops
+            # the transfer, and vLLM frees the blocks once it reports the request.
+            del self._receiving[request.request_id]
             self._generations.pop(transfer_id, None)
-            if not self.is_producer and params.get("do_remote_prefill"):
-                if not params.get(_DONE_MARK) and "remote_host" in params:
-                    # Ended before it got blocks: nothing to stop here, but prefill may
-                    # hold KV for it; tell prefill so it frees it now, not at lease end.
-                    self._aborted.append(
-                        self._prefill_abort(transfer_id, request.request_id, params)
-                    )
-                return False, None
-            if not (self.is_producer and params.get("do_remote_decode")):
-                return False, None
-            if not _finished_normally(request) or not block_ids:
-                self._aborted.append(AbortSpec(transfer_id, request.request_id))
-                return False, None
-            self._send.append(
-                SendSpec(
-                    transfer_id=transfer_id,
-                    request_id=request.request_id,
-                    block_ids=tuple(block_ids),
-                    num_tokens=request.num_computed_tokens,
+            self._aborted.append(AbortSpec(transfer_id, request.request_id))
+            return False, None
+        self._generations.pop(transfer_id, None)
+        if not self.is_producer and params.get("do_remote_prefill"):
+            if not params.get(_DONE_MARK) and "remote_host" in params:
+                # Ended before it got blocks: nothing to stop here, but prefill may
+                # hold KV for it; tell prefill so it frees it now, not at lease end.
+                self._aborted.append(
+                    self._prefill_abort(transfer_id, request.request_id, params)
                 )
+            return False, None
+        if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        if not _finished_normally(request) or not block_ids:
+            self._aborted.append(AbortSpec(transfer_id, request.request_id))
+            return False, None
+        self._send.append(
+            SendSpec(
+                transfer_id=transfer_id,
+                request_id=request.request_id,
+                block_ids=tuple(block_ids),
+                num_tokens=request.num_computed_tokens,
             )
-            self._sending[request.request_id] = time.monotonic()
-            if self.config.mode == "push":
-                return True, None
-            coordinates: dict[str, Any] = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "transfer_id": transfer_id,
-                "remote_engine_id": self.engine_id,
-                "remote_host": self.config.host,
-                "remote_port": self.port,
-                "remote_block_ids": list(block_ids),
-                "remote_num_tokens": request.num_computed_tokens,
-                "tp_size": self.tp_size,
-            }
-            if self.config.secret:  # lets decode refuse coordinates altered on the way
-                coordinates["kvpush_grant"] = grant(
-                    self.config.secret,
-                    self.engine_id,
-                    transfer_id,
-                    tuple(block_ids),
-                    request.num_computed_tokens,
-                    self.tp_size,
-                )
-            return True, coordinates
+        )
+        self._sending[request.request_id] = time.monotonic()
+        if self.config.mode == "push":
+            return True, None
+        coordinates: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": transfer_id,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.config.host,
+            "remote_port": self.port,
+            "remote_block_ids": list(block_ids),
+            "remote_num_tokens": request.num_computed_tokens,
+            "tp_size": self.tp_size,
+        }
+        if self.config.secret:  # lets decode refuse coordinates altered on the way
+            coordinates["kvpush_grant"] = grant(
+                self.config.secret,
+                self.engine_id,
+                transfer_id,
+                tuple(block_ids),
+                request.num_computed_tokens,
+                self.tp_size,
+            )
+        return True, coordinates
 
     def update_connector_output(
         self, finished_sending: Iterable[str], finished_recving: Iterable[str]

@@ -183,10 +183,11 @@ def kvpush_up(setup: str, model: Path, workdir: Path, *extra: str) -> Deployment
 
 def launch(
     setup: str, model: Path, workdir: Path, *extra: str, port: int = BASE_PORT,
-    kv_port: int = KV_PORT, kv_ports: int = 2,
+    kv_port: int = KV_PORT, kv_ports: int = 2, env: dict[str, str] | None = None,
 ) -> Deployment:  # fmt: skip
     """Start `kvpush up` (without waiting), so several deployments can start together;
-    `kv_ports`: how many control ports its workers take (one per TP rank and DP engine)."""
+    `kv_ports`: how many control ports its workers take (one per TP rank and DP engine),
+    `env`: variables added to the environment its servers inherit."""
     cmd = [
         sys.executable,
         "-m",
@@ -208,8 +209,9 @@ def launch(
         *extra,
     ]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **OWN_GROUP
-    )
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})}, **OWN_GROUP,
+    )  # fmt: skip
     return Deployment(
         setup,
         proc,

@@ -16,14 +16,18 @@ at a time, next to a plain vLLM server as the reference:
   ids); requests reach both;
 - prefill-dp2 (pull only: push refuses a data-parallel prefill at start, since decode
   registers before vLLM's front end picks the engine): each prefill engine answers with
-  its own control port, and a burst reaches both engines.
+  its own control port, and a burst reaches both engines;
+- in-process: both servers run their worker inside the engine core process, on the
+  scheduler's thread (vLLM's in-process executor, what it runs at TP 1 on a GPU; its CPU
+  backend does so with VLLM_ENABLE_V1_MULTIPROCESSING=0): kvpush's scheduler side hands
+  its specs to the node in the hook that decides them, as the logs must say.
 
 Every answer must equal the reference's at temperature 0, decode's external-KV token
 counter must grow by the prompt's tokens, and no kvpush failure may be counted. vLLM's CPU
 backend takes block sizes in multiples of 32 (its kernels' `MultipleOf(32)`); the model is
 float32 so that TP's split sums round as one server's do.
 
-The default run takes 2p2d and tp2-to-tp1 in push mode (about 5 minutes);
+The default run takes 2p2d, tp2-to-tp1 and in-process in push mode (about 5 minutes);
 KVPUSH_TOPOLOGIES=all runs every case in both modes (about 10 minutes),
 KVPUSH_TOPOLOGIES=2p2d,tp2-to-tp1:kvpush-pull the ones named (a bare case name: both
 modes). The servers start in the test's session, as `kvpush up` starts them: a TP rank
@@ -82,6 +86,8 @@ class Case:
     workers: int = 2  # control ports all servers' workers take
     refused: str = ""  # kvpush refuses the pair: what the servers' logs must say
     modes: tuple[str, ...] = MODES  # the kvpush modes it runs in
+    env: tuple[tuple[str, str], ...] = ()  # variables the servers start with
+    logs_say: str = ""  # what every server's log must say, once per server
 
 
 # A TP 2 or DP 2 server takes both cores of a 2-core machine, the other server's too:
@@ -97,8 +103,13 @@ CASES = {
     "2p2d": Case(("--prefill", "2", "--decode", "2"), prefills=2, decodes=2, workers=4),
     "decode-dp2": Case(("--decode-dp", "2", "--no-pin"), workers=3),
     "prefill-dp2": Case(("--prefill-dp", "2", "--no-pin"), workers=3, modes=("kvpush-pull",)),
+    "in-process": Case(
+        (),
+        env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),),
+        logs_say="the engine's worker runs in this process",
+    ),
 }
-DEFAULT = ("2p2d:kvpush-push", "tp2-to-tp1:kvpush-push")
+DEFAULT = ("2p2d:kvpush-push", "tp2-to-tp1:kvpush-push", "in-process:kvpush-push")
 REFERENCE_PORT = BASE_PORT + 400
 BURST = 8
 
@@ -202,7 +213,7 @@ def running(
     deployment = launch(
         setup, model, work, *case.args, f"--vllm-args={' '.join(FP32)}",
         port=REFERENCE_PORT + 1 + slot,
-        kv_port=KV_PORT + 400 + 8 * slot, kv_ports=case.workers,
+        kv_port=KV_PORT + 400 + 8 * slot, kv_ports=case.workers, env=dict(case.env),
     )  # fmt: skip
     try:
         wait_ready(deployment, timeout=600)
@@ -260,6 +271,10 @@ def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
         assert moved == answer["usage"]["prompt_tokens"], (setup, prompt)
     for url in [*prefill_urls(deployment, case), *decodes]:
         assert scrape.total(scrape.scrape(url), "kvpush:failures_total") == 0, url
+    if case.logs_say:
+        logs = sorted(running.work.glob("**/logs/*.log"))
+        said = [log.name for log in logs if case.logs_say in log.read_text(errors="replace")]
+        assert len(said) == case.prefills + case.decodes, (case.logs_say, said)
     print(f"\n{setup} {case.args}: healthy {running.started_s:.0f} s after launch")
 
 

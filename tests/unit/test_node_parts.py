@@ -28,7 +28,9 @@ from kvpush.node.pull import LeaseKeeper
 from kvpush.node.push import PushWriter
 from kvpush.node.receiver import Receiver
 from kvpush.node.specs import RecvSpec, SendSpec
-from kvpush.node.worker import WorkerSide
+from kvpush.node.worker import WorkerSide, in_process
+from kvpush.vllm.metadata import EMPTY_METADATA
+from kvpush.vllm.scheduler import SchedulerSide
 from tests.node_kv import KVMemory, free_port
 
 Piece = tuple[int, int]
@@ -141,9 +143,7 @@ class Node:
     recving: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
 
-    def step(
-        self, recv: tuple[RecvSpec, ...] = (), send: tuple[SendSpec, ...] = ()
-    ) -> None:
+    def step(self, recv: tuple[RecvSpec, ...] = (), send: tuple[SendSpec, ...] = ()) -> None:
         self.worker.hand_off(recv, send, ())
         sending, recving = self.worker.get_finished()
         self.sending |= sending
@@ -227,6 +227,81 @@ def test_the_request_arrives_exactly_and_both_sides_report_it(
     assert not cached.any(), "nothing written before first_token"
     initiator = prefill if mode == "push" else decode
     assert len(initiator.transport.posted) == 1
+
+
+@dataclass
+class FinishedRequest:
+    """What vLLM's scheduler hands the connector's scheduler-side hooks, for one prompt."""
+
+    request_id: str
+    kv_transfer_params: dict[str, object]
+    prompt_token_ids: list[int] = field(default_factory=lambda: list(range(NUM_TOKENS)))
+    num_computed_tokens: int = NUM_TOKENS
+    status: object = None
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_scheduler_in_the_nodes_process_hands_its_specs_over_at_once(
+    nodes: Callable[..., tuple[Node, Node]], mode: str
+) -> None:
+    """vLLM's in-process executor (one rank) runs the worker in the scheduler's process: a
+    finished prefill and decode's allocation reach the nodes in the hooks that decide them,
+    and no step's metadata carries them."""
+    from vllm.v1.request import RequestStatus
+
+    prefill, decode = nodes(mode)
+    assert in_process("prefill-0") is prefill.worker and in_process("decode-0") is decode.worker
+    sides = [
+        SchedulerSide(
+            n.worker.config, engine, is_producer=engine == "prefill-0", local=n.worker.queue
+        )
+        for n, engine in ((prefill, "prefill-0"), (decode, "decode-0"))
+    ]
+    done = FinishedRequest("p1", {"do_remote_decode": True, "transfer_id": "t1"})
+    done.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, coordinates = sides[0].request_finished(done, list(PREFILL_BLOCKS))  # type: ignore[arg-type]
+    assert delay and (coordinates is None) == (mode == "push")
+    params = {
+        "do_remote_prefill": True,
+        "transfer_id": "t1",
+        "remote_host": "127.0.0.1",
+        "remote_port": prefill.worker.port,
+        "tp_size": 1,
+    } | (coordinates or {})
+    waiting = FinishedRequest("d1", params)
+    assert sides[1].get_num_new_matched_tokens(waiting, 0) == (NUM_TOKENS, True)  # type: ignore[arg-type]
+    sides[1].update_state_after_alloc(waiting, BlockIds([1, 9, 3]), NUM_TOKENS)  # type: ignore[arg-type]
+    assert all(side.build_connector_meta(None) is EMPTY_METADATA for side in sides)
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert decode.recving == {"d1"} and prefill.sending == {"p1"}
+    got, want = (
+        decode.kv.tokens((1, 9, 3), NUM_TOKENS),
+        prefill.kv.tokens(PREFILL_BLOCKS, NUM_TOKENS),
+    )
+    assert np.array_equal(got, want)
+    decode.worker.shutdown()
+    assert in_process("decode-0") is None  # a stopped node takes nothing more
+
+
+def test_only_an_engines_single_rank_takes_specs_in_process() -> None:
+    """With TP above 1 vLLM runs every rank in a process of its own: specs go by metadata."""
+    worker = WorkerSide(
+        KvpushConfig(port=free_port()), Identity("prefill-tp", "prefill", "tiny", 0, 2)
+    )
+    kv = KVMemory.make(LAYERS, BLOCKS, HEADS, 4, UNIT, HEADS, 1)
+    worker.start(kv.layout, kv.memory, "bfloat16", transport=FakeTransport())
+    try:
+        assert in_process("prefill-tp") is None
+    finally:
+        worker.shutdown()
+
+
+@dataclass
+class BlockIds:
+    ids: list[int]
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return self.ids
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
