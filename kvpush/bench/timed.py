@@ -121,6 +121,9 @@ class HookLedger:
             self.changed = True
 
     def _dump_loop(self) -> None:
+        from kvpush.dataplane import threads
+
+        threads.background()  # as kvpush's own threads: its wake-ups never preempt vLLM's
         while True:
             time.sleep(0.5)
             if self.changed:

@@ -1,7 +1,8 @@
 """How kvpush's background threads share a core with vLLM's engine loop.
 
 Every kvpush thread in a vLLM process (a part's loop, the control server, the target's
-NIXL progress) calls `background()` first. By default it moves the calling thread to
+NIXL progress, the pools of handshakes and messages, the stall watchdog) calls
+`background()` first. By default it moves the calling thread to
 Linux's SCHED_BATCH: same CPU share as before, but waking it never preempts the thread
 that is running. The engine loop wakes kvpush's threads itself (a step's specs handed
 over in `bind_connector_metadata`), and so do control messages and timers; on a core the

@@ -122,6 +122,7 @@ class _Watchdog(threading.Thread):
             cls._instance.loops.add(loop)
 
     def run(self) -> None:
+        threads.background()  # it wakes every second, on the engine's cores too
         reported: dict[str, float] = {}
         while True:
             time.sleep(STALL_S / 2)

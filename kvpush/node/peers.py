@@ -35,6 +35,7 @@ from typing import Any, Generic, Literal, TypeVar
 from kvpush.core import planning
 from kvpush.core.planning import KVLayout
 from kvpush.core.protocol import Hello, Message, check_compatible
+from kvpush.dataplane import threads
 from kvpush.dataplane.control import ControlClient, Unreachable
 from kvpush.dataplane.transport import TransferError
 from kvpush.node.context import Context, Transfer
@@ -103,8 +104,12 @@ class Peers(Generic[J]):
         # whether handshakes load the peer's NIXL agent (not where we never move KV)
         self.load_agents = load_agents
         self.peers: dict[tuple[str, int], RemoteRank[J]] = {}
-        self.handshakes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-handshake")
-        self.messages = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-message")
+        self.handshakes = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="kvpush-handshake", initializer=threads.background
+        )
+        self.messages = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="kvpush-message", initializer=threads.background
+        )
 
     def get(self, host: str, port: int) -> RemoteRank[J]:
         """The peer at host:port; a fresh one (handshake pending) if it restarted."""

@@ -4,6 +4,7 @@ unless `thread_policy: "normal"` says otherwise. Read back from the kernel, per 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,8 @@ import pytest
 from kvpush.dataplane import threads
 from kvpush.dataplane.control import ControlServer
 from kvpush.node.config import KvpushConfig
-from kvpush.node.loop import Loop
+from kvpush.node.loop import Loop, _Watchdog
+from kvpush.node.peers import Peers
 from kvpush.node.progress import TargetProgress
 from kvpush.node.results import Results
 from tests.control_peers import Recorder
@@ -65,10 +67,26 @@ def test_every_kind_of_kvpush_thread_takes_the_policy(policy: str, expected: str
             assert policy_of(server._thread) == want
         assert policy_of(loop) == want
         assert policy_of(progress) == want
+        # the pools of handshakes and of messages that may block on a peer
+        peers: Peers[object] = Peers(None, queue.SimpleQueue(), "decode")  # type: ignore[arg-type]
+        for pool in (peers.handshakes, peers.messages):
+            assert pool.submit(os.sched_getscheduler, 0).result(timeout=5) == want
+            pool.shutdown()
     finally:
         loop.stop()
         progress.stop()
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread: untouched
+
+
+def test_the_stall_watchdog_never_preempts_the_engine_either() -> None:
+    """One per process, started with the first loop; it wakes every second."""
+    loop = Idle(Results(), "kvpush-test-loop")
+    loop.start()
+    try:
+        watchdog = _Watchdog._instance
+        assert watchdog is not None and policy_of(watchdog) == os.SCHED_BATCH
+    finally:
+        loop.stop()
 
 
 def test_the_setting_is_checked_and_defaults_to_batch() -> None:
