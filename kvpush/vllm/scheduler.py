@@ -7,8 +7,9 @@ records the blocks it allocated for remote KV, prefill keeps a finished prefill'
 until its worker says they moved; in pull mode prefill also answers with the coordinates
 decode reads from.
 
-With one rank per engine vLLM runs the worker in this very process and thread; the
-hooks then hand each spec to the node at once (`local`), not in the next step's metadata.
+Where vLLM runs the worker in this very process and thread (its in-process executor:
+one rank, the default at TP 1 on a GPU), the hooks hand each spec to the node at once
+(`local`), not in the next step's metadata.
 """
 
 from __future__ import annotations
