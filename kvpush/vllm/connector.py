@@ -295,14 +295,14 @@ class KvpushConnector(KVConnectorBase_V1):
         return self.worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """What is new since the last stats: a transfer or failure at the step it was
-        recorded (just that), everything else - the hook timings, gauges, rejected
-        messages - at most every `STATS_EVERY_S` (None between)."""
+        """What is new since the last stats: at the step a transfer or failure was
+        recorded, it with the gauges and rejected messages (vLLM may not step again for
+        a while); the hook timings at most every `STATS_EVERY_S` (None between)."""
         now = time.monotonic()
         if now < self._stats_due:
             if self.worker is None or not self.worker.has_news():
                 return None
-            return KvpushStats(self.worker.results.take_data())
+            return KvpushStats(self.worker.stats_data(timings=False))
         self._stats_due = now + STATS_EVERY_S
         if self.worker is not None:
             stats = KvpushStats(self.worker.stats_data())
