@@ -325,12 +325,9 @@ class WorkerSide:
         lock: a racing write shows at the next call)."""
         return self.results.news
 
-    def stats_data(self, timings: bool = True) -> dict[str, Any]:
-        """What is new for the stats: transfers, failures, rejected messages, the gauges,
-        and (`timings`) what the hooks cost since the last time."""
+    def stats_data(self) -> dict[str, Any]:
         data = self.results.take_data()
-        if timings:
-            self.timer.drain(data)
+        self.timer.drain(data)
         if self.server is not None:
             # The server keeps running totals; stats carry what is new since last time.
             for kind, total in self.server.rejected.items():

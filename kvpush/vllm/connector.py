@@ -295,14 +295,14 @@ class KvpushConnector(KVConnectorBase_V1):
         return self.worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """What is new since the last stats: at the step a transfer or failure was
-        recorded, it with the gauges and rejected messages (vLLM may not step again for
-        a while); the hook timings at most every `STATS_EVERY_S` (None between)."""
+        """What is new since the last stats: at once when a transfer or failure was
+        recorded, else the hook timings at most every `STATS_EVERY_S` (None between).
+        All of it goes with a transfer: vLLM asks only while it steps, and an idle
+        server would keep what it holds back out of /metrics until its next request."""
         now = time.monotonic()
-        if now < self._stats_due:
-            if self.worker is None or not self.worker.has_news():
-                return None
-            return KvpushStats(self.worker.stats_data(timings=False))
+        news = self.worker is not None and self.worker.has_news()
+        if now < self._stats_due and not news:
+            return None
         self._stats_due = now + STATS_EVERY_S
         if self.worker is not None:
             stats = KvpushStats(self.worker.stats_data())

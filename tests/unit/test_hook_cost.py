@@ -45,7 +45,7 @@ class StubPart:
         self.inbox: queue.SimpleQueue[tuple[object, float]] = queue.SimpleQueue()
 
     def gauges(self) -> dict[str, float]:
-        return {"transfers_in_flight": 0.0}
+        return {}
 
 
 @dataclass
@@ -286,15 +286,14 @@ def test_stats_carry_transfers_at_once_and_hook_timings_at_most_every_interval(
         worker.bind_connector_metadata(handing)
         assert worker.get_kv_connector_stats() is None  # only timings: held back
     worker.worker.results.observe(bytes=4096.0, write_s=0.001)
-    news = worker.get_kv_connector_stats()  # a transfer: at once, the timings held back
+    news = worker.get_kv_connector_stats()  # a transfer: at once, with the timings so far
     assert news is not None and news.data["bytes"] == [4096.0]
-    assert news.data["hook_calls"] == {} and news.data["gauges"] == {"transfers_in_flight": 0.0}
+    assert news.data["hook_calls"] == {"worker.bind_connector_metadata": 5}
     worker.bind_connector_metadata(handing)
     assert worker.get_kv_connector_stats() is None
     clock[0] += STATS_EVERY_S
-    later = worker.get_kv_connector_stats()  # the timings held back, none lost
-    assert later is not None and later.data["hook_calls"] == {"worker.bind_connector_metadata": 6}
-    assert later.data["bytes"] == []
+    later = worker.get_kv_connector_stats()
+    assert later is not None and later.data["hook_calls"] == {"worker.bind_connector_metadata": 1}
     sched = connector(KvpushConnector, "scheduler")
 
     def ship(i: int) -> None:  # a step that ships a spec (an empty one is not timed)
