@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpush.dataplane import threads
+
 # Every connector method vLLM's scheduler and worker call on their main threads (some on
 # both sides), base-class ones included: what the engine loop pays is all of them.
 SCHEDULER_HOOKS = (
@@ -121,8 +123,6 @@ class HookLedger:
             self.changed = True
 
     def _dump_loop(self) -> None:
-        from kvpush.dataplane import threads
-
         threads.background()  # as kvpush's own threads: its wake-ups never preempt vLLM's
         while True:
             time.sleep(0.5)

@@ -98,42 +98,44 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         with self.timer("update_state_after_alloc"):
-            params = request.kv_transfer_params
-            if not params or not params.get("do_remote_prefill") or params.get(_DONE_MARK):
-                return
-            transfer_id = str(params.get("transfer_id") or request.request_id)
-            if num_external_tokens <= 0:
-                # decode's own cache holds the prompt: prefill's KV is not needed
-                self._aborted.append(self._prefill_abort(transfer_id, request.request_id, params))
-                params[_DONE_MARK] = True
-                self._hand_over()
-                return
-            # A preempted request allocates again: a new generation fences the old blocks.
-            generation = self._generations.get(transfer_id, -1) + 1
-            self._generations[transfer_id] = generation
-            block_ids = tuple(blocks.get_unhashed_block_ids())
-            remote_ids = params.get("remote_block_ids") or ()
-            num_tokens = len(request.prompt_token_ids or ())
-            self._recv.append(
-                RecvSpec(
-                    transfer_id=transfer_id,
-                    request_id=request.request_id,
-                    block_ids=block_ids,
-                    num_tokens=num_tokens,
-                    first_token=num_tokens - num_external_tokens,
-                    prefill_host=str(params["remote_host"]),
-                    prefill_port=int(params["remote_port"]),
-                    prefill_tp=int(params.get("tp_size") or 1),
-                    generation=generation,
-                    remote_block_ids=tuple(int(b) for b in remote_ids),
-                    remote_num_tokens=int(params.get("remote_num_tokens") or 0),
-                    remote_engine_id=str(params.get("remote_engine_id") or ""),
-                    remote_grant=str(params.get("kvpush_grant") or ""),
-                )
-            )
-            self._receiving[request.request_id] = transfer_id
-            params[_DONE_MARK] = True
+            self._allocated(request, blocks, num_external_tokens)
             self._hand_over()
+
+    def _allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or params.get(_DONE_MARK):
+            return
+        transfer_id = str(params.get("transfer_id") or request.request_id)
+        if num_external_tokens <= 0:
+            # decode's own cache holds the prompt: prefill's KV is not needed
+            self._aborted.append(self._prefill_abort(transfer_id, request.request_id, params))
+            params[_DONE_MARK] = True
+            return
+        # A preempted request allocates again: a new generation fences the old blocks.
+        generation = self._generations.get(transfer_id, -1) + 1
+        self._generations[transfer_id] = generation
+        block_ids = tuple(blocks.get_unhashed_block_ids())
+        remote_ids = params.get("remote_block_ids") or ()
+        num_tokens = len(request.prompt_token_ids or ())
+        self._recv.append(
+            RecvSpec(
+                transfer_id=transfer_id,
+                request_id=request.request_id,
+                block_ids=block_ids,
+                num_tokens=num_tokens,
+                first_token=num_tokens - num_external_tokens,
+                prefill_host=str(params["remote_host"]),
+                prefill_port=int(params["remote_port"]),
+                prefill_tp=int(params.get("tp_size") or 1),
+                generation=generation,
+                remote_block_ids=tuple(int(b) for b in remote_ids),
+                remote_num_tokens=int(params.get("remote_num_tokens") or 0),
+                remote_engine_id=str(params.get("remote_engine_id") or ""),
+                remote_grant=str(params.get("kvpush_grant") or ""),
+            )
+        )
+        self._receiving[request.request_id] = transfer_id
+        params[_DONE_MARK] = True
 
     @staticmethod
     def _prefill_abort(transfer_id: str, request_id: str, params: dict[str, Any]) -> AbortSpec:
@@ -190,9 +192,7 @@ class SchedulerSide:
             if not params.get(_DONE_MARK) and "remote_host" in params:
                 # Ended before it got blocks: nothing to stop here, but prefill may
                 # hold KV for it; tell prefill so it frees it now, not at lease end.
-                self._aborted.append(
-                    self._prefill_abort(transfer_id, request.request_id, params)
-                )
+                self._aborted.append(self._prefill_abort(transfer_id, request.request_id, params))
             return False, None
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None

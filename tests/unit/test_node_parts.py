@@ -32,6 +32,7 @@ from kvpush.node.worker import WorkerSide, in_process
 from kvpush.vllm.metadata import EMPTY_METADATA
 from kvpush.vllm.scheduler import SchedulerSide
 from tests.node_kv import KVMemory, free_port
+from tests.unit.test_vllm_adapter import FakeBlocks, FakeRequest
 
 Piece = tuple[int, int]
 
@@ -229,17 +230,6 @@ def test_the_request_arrives_exactly_and_both_sides_report_it(
     assert len(initiator.transport.posted) == 1
 
 
-@dataclass
-class FinishedRequest:
-    """What vLLM's scheduler hands the connector's scheduler-side hooks, for one prompt."""
-
-    request_id: str
-    kv_transfer_params: dict[str, object]
-    prompt_token_ids: list[int] = field(default_factory=lambda: list(range(NUM_TOKENS)))
-    num_computed_tokens: int = NUM_TOKENS
-    status: object = None
-
-
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_a_scheduler_in_the_nodes_process_hands_its_specs_over_at_once(
     nodes: Callable[..., tuple[Node, Node]], mode: str
@@ -257,8 +247,9 @@ def test_a_scheduler_in_the_nodes_process_hands_its_specs_over_at_once(
         )
         for n, engine in ((prefill, "prefill-0"), (decode, "decode-0"))
     ]
-    done = FinishedRequest("p1", {"do_remote_decode": True, "transfer_id": "t1"})
-    done.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    prompt = list(range(NUM_TOKENS))
+    done = FakeRequest("p1", prompt, {"do_remote_decode": True, "transfer_id": "t1"})
+    done.status, done.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, NUM_TOKENS
     delay, coordinates = sides[0].request_finished(done, list(PREFILL_BLOCKS))  # type: ignore[arg-type]
     assert delay and (coordinates is None) == (mode == "push")
     params = {
@@ -268,9 +259,9 @@ def test_a_scheduler_in_the_nodes_process_hands_its_specs_over_at_once(
         "remote_port": prefill.worker.port,
         "tp_size": 1,
     } | (coordinates or {})
-    waiting = FinishedRequest("d1", params)
+    waiting = FakeRequest("d1", prompt, params)
     assert sides[1].get_num_new_matched_tokens(waiting, 0) == (NUM_TOKENS, True)  # type: ignore[arg-type]
-    sides[1].update_state_after_alloc(waiting, BlockIds([1, 9, 3]), NUM_TOKENS)  # type: ignore[arg-type]
+    sides[1].update_state_after_alloc(waiting, FakeBlocks([1, 9, 3]), NUM_TOKENS)  # type: ignore[arg-type]
     assert all(side.build_connector_meta(None) is EMPTY_METADATA for side in sides)
     run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
     assert decode.recving == {"d1"} and prefill.sending == {"p1"}
@@ -294,14 +285,6 @@ def test_only_an_engines_single_rank_takes_specs_in_process() -> None:
         assert in_process("prefill-tp") is None
     finally:
         worker.shutdown()
-
-
-@dataclass
-class BlockIds:
-    ids: list[int]
-
-    def get_unhashed_block_ids(self) -> list[int]:
-        return self.ids
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
