@@ -107,9 +107,12 @@ class Results:
             return data
 
     def sent(self, request_id: str) -> None:
-        """Prefill: vLLM may free the request's blocks."""
+        """Prefill: vLLM may free the request's blocks. News for the stats too: a pull
+        prefill records no transfer of its own, and without it its hook timings would
+        wait for a step after the next interval, which an idle server does not run."""
         with self.lock:
             self.sending.add(request_id)
+            self.news = True
 
     def received(self, request_id: str, failed_blocks: tuple[int, ...] = ()) -> None:
         """Decode: the request's KV arrived, or (with `failed_blocks`) will not."""
