@@ -84,7 +84,7 @@ class Fanout:
         fan.local, fan.holding = local, len(fan.ranks)
         return [
             LocalBlocks(leg_id(local.transfer_id, rank), local.request_id, local.block_ids,
-                        local.num_tokens)
+                        local.num_tokens, local.sampled)
             for rank in fan.ranks
         ]  # fmt: skip
 

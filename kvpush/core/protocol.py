@@ -37,7 +37,7 @@ import msgpack
 
 from kvpush.core.planning import KVLayout, PlanError, check_mappable
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAGIC = b"KP"
 GREETING_MAGIC = b"KPHI"
 MAC_SIZE = 32
@@ -63,6 +63,16 @@ Role = Literal["prefill", "decode"]
 Mode = Literal["push", "pull"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 MODES: tuple[Mode, ...] = ("push", "pull")
+
+# The first output token of a request, sampled by prefill, that decode must reproduce (so
+# the proxy may stream prefill's token before decode's first step): the keys of the decode
+# leg's `vllm_xargs` (vLLM's SamplingParams.extra_args) that kvpush's logits processor
+# reads. Pull: the token itself, from prefill's kv_transfer_params (`FIRST_TOKEN_PARAM`).
+# Push: the transfer id whose `WriteDone` carries the token.
+FIRST_TOKEN_ARG = "kvpush_first_token"
+FIRST_TOKEN_OF_ARG = "kvpush_first_token_of"
+FIRST_TOKEN_PARAM = "first_token_id"
+NO_TOKEN = -1
 
 
 class ProtocolError(Exception):
@@ -262,7 +272,9 @@ class WriteDone:
     """Prefill -> decode: the NIXL notification of one producer rank's WRITE.
 
     `tp_rank`/`tp_size` are the producer's. Decode counts one ok completion per producer
-    rank writing into it; ok=False (with `error`) fails the transfer at once.
+    rank writing into it; ok=False (with `error`) fails the transfer at once. `sampled`:
+    the first output token prefill sampled for the request (`NO_TOKEN` if none), which
+    decode's first step then reproduces (`kvpush.vllm.first_token`).
     """
 
     transfer_id: str = field(metadata=_ID)
@@ -271,6 +283,7 @@ class WriteDone:
     tp_size: int = field(metadata=_TP_SIZE)
     ok: bool = field(metadata=_wire(_bool))
     error: str = field(metadata=_TEXT)
+    sampled: int = field(default=NO_TOKEN, metadata=_wire(_int(NO_TOKEN, I63_MAX)))
 
 
 @dataclass(frozen=True, slots=True)

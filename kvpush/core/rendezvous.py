@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvpush.core.deadlines import Deadlines
-from kvpush.core.protocol import MAX_TEXT_LEN, Registration, WriteDone
+from kvpush.core.protocol import MAX_TEXT_LEN, NO_TOKEN, Registration, WriteDone
 
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
 
@@ -64,6 +64,7 @@ class LocalBlocks:
     request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    sampled: int = NO_TOKEN  # the first output token prefill sampled (goes with WriteDone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,12 +316,13 @@ class Rendezvous:
         num_tokens: int,
         now: float,
         exact: bool = False,
+        sampled: int = NO_TOKEN,
     ) -> list[Action]:
         """The prefill finished and its KV sits in `block_ids` until released; `exact`:
-        pair it only by its transfer id (a fan-out leg)."""
+        pair it only by its transfer id (a fan-out leg); `sampled`: its first output token."""
         if transfer_id in self._writing_local or self._finished.exact(transfer_id):
             raise ValueError(f"prefill of transfer {transfer_id} was reported done twice")
-        local = LocalBlocks(transfer_id, request_id, block_ids, num_tokens)
+        local = LocalBlocks(transfer_id, request_id, block_ids, num_tokens, sampled)
         waiting = self._waiting.exact(transfer_id)
         gone = None if waiting else self._gone.exact(transfer_id)
         if waiting is None and gone is None and not exact:

@@ -101,13 +101,20 @@ class PushWriter(PeerLoop[StartWrite]):
                 self.later(item, at, hold)
                 return
             self._held.discard(item.transfer_id)
-            local = LocalBlocks(item.transfer_id, item.request_id, item.block_ids, item.num_tokens)
+            local = LocalBlocks(
+                item.transfer_id, item.request_id, item.block_ids, item.num_tokens, item.sampled
+            )
             if self.fanout.get(local.transfer_id) is not None:
                 self._feed(local, now)
             else:
                 self.act(
                     self.rendezvous.prefill_done(
-                        local.transfer_id, local.request_id, local.block_ids, local.num_tokens, now
+                        local.transfer_id,
+                        local.request_id,
+                        local.block_ids,
+                        local.num_tokens,
+                        now,
+                        sampled=local.sampled,
                     )
                 )
         elif isinstance(item, Cancel):
@@ -184,7 +191,8 @@ class PushWriter(PeerLoop[StartWrite]):
         for leg in self.fanout.feed(local):
             self.act(
                 self.rendezvous.prefill_done(
-                    leg.transfer_id, leg.request_id, leg.block_ids, leg.num_tokens, now, True
+                    leg.transfer_id, leg.request_id, leg.block_ids, leg.num_tokens, now, True,
+                    leg.sampled,
                 )
             )
 
@@ -337,7 +345,9 @@ class PushWriter(PeerLoop[StartWrite]):
         self._forget_source(reg)
         ident = self.ctx.identity
         transfer_id = split_leg(reg.transfer_id)[0]
-        done = WriteDone(transfer_id, reg.generation, ident.tp_rank, ident.tp_size, True, "")
+        done = WriteDone(
+            transfer_id, reg.generation, ident.tp_rank, ident.tp_size, True, "", start.local.sampled
+        )
         # Telling decode may mean reconnecting: on the message pool, never on this thread,
         # so one slow decode does not hold up every other transfer.
         self.peers.submit(self._announce, start, peer.client, done)

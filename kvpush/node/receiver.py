@@ -27,6 +27,7 @@ from kvpush.core.deadlines import Deadlines
 from kvpush.core.planning import PlanError
 from kvpush.core.protocol import (
     MAX_TEXT_LEN,
+    NO_TOKEN,
     Cancel,
     LeaseRenew,
     Message,
@@ -42,6 +43,7 @@ from kvpush.dataplane.control import ControlClient, Unreachable
 from kvpush.dataplane.transport import TransferError
 from kvpush.node.context import Context
 from kvpush.node.peers import Moving, PeerLoop, PeerReady, RemoteRank
+from kvpush.node.sampled import SAMPLED
 from kvpush.node.specs import AbortSpec, RecvSpec
 
 log = logging.getLogger("kvpush.worker")
@@ -149,6 +151,13 @@ class Receiver(PeerLoop[_ForRank]):
         if isinstance(item, RecvSpec):
             self._expect(item, now)
         elif isinstance(item, WriteDone):
+            first = item.sampled
+            if (
+                item.ok
+                and first != NO_TOKEN
+                and self.arrivals.is_waiting(item.transfer_id, item.generation)
+            ):
+                SAMPLED.put(item.transfer_id, first)  # before the transfer can count as arrived
             self._outcomes(self.arrivals.on_write_done(item, now))
         elif isinstance(item, Writing):
             if self.arrivals.is_waiting(item.transfer_id, item.generation):

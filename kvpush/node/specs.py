@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpush.core.protocol import NO_TOKEN
+
 
 @dataclass(frozen=True, slots=True)
 class RecvSpec:
@@ -43,6 +45,7 @@ class SendSpec:
     request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    sampled: int = NO_TOKEN  # the first output token prefill sampled (push: for decode)
 
 
 @dataclass(frozen=True, slots=True)

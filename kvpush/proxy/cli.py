@@ -206,6 +206,16 @@ def register(subparsers: Any) -> None:
         help="log one line per request: client, request line, status, bytes, seconds, X-Request-Id",
     )
     parser.add_argument(
+        "--first-token",
+        choices=("prefill", "decode"),
+        default="prefill",
+        help="where a streamed answer's first token comes from. prefill (default): sent the "
+        "moment prefill answers, decode then made to continue from that very token (kvpush's "
+        "logits processor, loaded by vLLM wherever kvpush is installed); decode: wait for "
+        "the handoff and decode's first step, as vLLM's own proxies do. Use decode with "
+        "decode servers that run speculative decoding or no kvpush",
+    )
+    parser.add_argument(
         "--max-body-mb",
         metavar="MIB",
         type=positive(),
@@ -273,6 +283,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         scrape_interval=args.scrape_interval,
         admin_token=args.admin_token or None,
         fleet_file=args.config,
+        first_token=args.first_token,
     )
 
 

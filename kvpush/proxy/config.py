@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpush.core.protocol import MODES
-from kvpush.proxy import rewrite
+from kvpush.proxy import first_token, rewrite
 from kvpush.proxy.balance import HealthRules, check_policy
 from kvpush.proxy.fleet import Fleet, check_fleet
 from kvpush.proxy.rewrite import Backend
@@ -34,6 +34,7 @@ class ProxyConfig:
     admin_token: str | None = None
     fleet_file: Path | None = None  # re-read when it changes
     access_log: bool = False  # one line per request on the kvpush.proxy.access logger
+    first_token: str = "prefill"  # where a streamed answer's first token comes from
     health: HealthRules = field(init=False)
     policies: dict[str, str] = field(init=False)  # role -> policy, as balance.POLICIES spells it
 
@@ -45,6 +46,8 @@ class ProxyConfig:
             raise ValueError("timeouts must be positive")
         if self.health_interval <= 0 or self.scrape_interval < 0:
             raise ValueError("--health-interval must be positive and --scrape-interval >= 0")
+        if self.first_token not in first_token.SOURCES:
+            raise ValueError(f"--first-token must be one of {first_token.SOURCES}")
         if self.retries < 0:
             raise ValueError("--retries must be 0 or more")
         if self.max_body_bytes < 1:

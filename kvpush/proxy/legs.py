@@ -33,12 +33,13 @@ from typing import Any
 
 import aiohttp
 
-from kvpush.proxy import rewrite
+from kvpush.proxy import first_token, rewrite
 from kvpush.proxy.backends import Backends
 from kvpush.proxy.balance import BackendState
 from kvpush.proxy.client import BackendClient
 from kvpush.proxy.config import ProxyConfig
 from kvpush.proxy.errors import LOST, UNSENT, BackendFailure, describe, transport_failure
+from kvpush.proxy.first_token import Splice
 from kvpush.proxy.fleet import ROLES
 from kvpush.proxy.metrics import Metrics
 from kvpush.proxy.relay import Relay
@@ -78,6 +79,8 @@ class Legs:
 
     async def run(self, job: Job, relay: Relay) -> None:
         """Both legs of `job`; raises NoBackend or BackendFailure when the client gets none."""
+        if self.config.first_token == "prefill" and first_token.eligible(job.body):
+            relay.splice = Splice(chat="messages" in job.body)
         if self.config.mode == "pull":
             await self._pull(job, relay)
         else:
@@ -91,7 +94,10 @@ class Legs:
         safe: tuple[str, ...],
         relay: Relay,
     ) -> bool:
-        if exc.safety not in safe or attempt >= self.config.retries or relay.answered:
+        # Pull's decode leg may go elsewhere after prefill's first token reached the client
+        # (the new decode is pinned to it as well), not after any of decode's answer did.
+        sent = relay.from_decode if self.config.mode == "pull" else relay.answered
+        if exc.safety not in safe or attempt >= self.config.retries or sent:
             return False
         tried.add(exc.backend.url)
         if not self.backends.pools[exc.role].available(tried):
@@ -114,6 +120,8 @@ class Legs:
                     raise
         assert params is not None
         body = rewrite.decode_body(job.body, params)
+        if relay.splice is not None:
+            body = first_token.pin_pull(body, params) or body
         tried = set()
         for attempt in itertools.count():
             decode = self.backends.choose("decode", 1, tried)
@@ -143,6 +151,8 @@ class Legs:
         decode_body = rewrite.decode_body(
             job.body, rewrite.push_decode_params(prefill.backend, rid)
         )
+        if relay.splice is not None:
+            decode_body = first_token.pin_push(decode_body, rid)
         # Decode first: the sooner it registers its blocks, the sooner prefill can write.
         decode_task = asyncio.ensure_future(self._decode(decode, job, decode_body, rid, relay))
         prefill_task = asyncio.ensure_future(
@@ -187,12 +197,16 @@ class Legs:
             seconds = time.perf_counter() - started
             relay.prefill_seconds = seconds
             self.metrics.prefill.labels(backend.url).observe(seconds)
-            if self.config.mode != "pull":
-                return None
-            try:
-                return rewrite.pull_decode_params(answer, backend)
-            except ValueError as exc:
-                raise BackendFailure("prefill", backend, 502, str(exc)) from None
+            coordinates = None
+            if self.config.mode == "pull":
+                try:
+                    coordinates = rewrite.pull_decode_params(answer, backend)
+                except ValueError as exc:
+                    raise BackendFailure("prefill", backend, 502, str(exc)) from None
+                if first_token.pin_pull({}, coordinates) is None:
+                    relay.splice = None  # prefill sent no token to pin decode to
+            await relay.prefill_answered(answer, backend)
+            return coordinates
 
     async def _post_json(
         self, backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str]

@@ -92,7 +92,8 @@ class Metrics:
         )
         self.ttft = Histogram(
             "kvpush_proxy_ttft_seconds",
-            "Time from client request to the first byte of decode's answer",
+            "Time from client request to the client's first byte (labelled with the backend "
+            "that sent it: prefill when its first token led the stream)",
             ["backend"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
@@ -106,10 +107,18 @@ class Metrics:
         )
         self.handoff = Histogram(
             "kvpush_proxy_handoff_seconds",
-            "TTFT at the proxy minus the prefill leg's duration, per decode backend: the KV "
-            "handoff plus waiting at decode",
+            "Decode's first byte at the proxy minus the prefill leg's duration, per decode "
+            "backend: the KV handoff plus waiting at decode",
             ["backend"],
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+        self.first_token = Counter(
+            "kvpush_proxy_first_token",
+            "Streamed requests whose first token could come from prefill, by where it came "
+            "from (prefill, decode) and mismatch: decode did not reproduce prefill's token",
+            ["source"],
             registry=self.registry,
         )
 

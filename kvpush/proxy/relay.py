@@ -1,18 +1,26 @@
-"""Decode's answer to the client: relayed whole or streamed chunk by chunk, with TTFT timed
-at its first byte; an error after the stream began is told in-band."""
+"""Decode's answer to the client: relayed whole or streamed chunk by chunk (its first token
+possibly from prefill, `kvpush.proxy.first_token`), with TTFT timed at the client's first
+byte; an error after the stream began is told in-band."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from kvpush.proxy.errors import error_body, error_response
+from kvpush.proxy.first_token import Splice
 from kvpush.proxy.metrics import Metrics
 from kvpush.proxy.rewrite import Backend
+
+log = logging.getLogger("kvpush.proxy")
+_EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class Relay:
@@ -33,44 +41,109 @@ class Relay:
         self.prefill_seconds: float | None = None  # how long its leg took, once it answered
         # (time.monotonic(), bytes) of each streamed chunk from decode, when being traced
         self.chunk_log = chunk_log
+        self.splice: Splice | None = None  # set when the first token may come from prefill
+        self._writing = asyncio.Lock()  # prefill's token and decode's bytes, in order
+        self.from_decode = False  # some of decode's answer reached the client
 
     @property
     def answered(self) -> bool:
         return self.response is not None and self.response.prepared
 
     def _first_byte(self, backend: Backend, on_first_byte: Callable[[], None]) -> None:
-        ttft = time.perf_counter() - self.started
-        self.metrics.ttft.labels(backend.url).observe(ttft)
+        """Decode's first byte: the handoff is over."""
+        if self.response is None:
+            self._client_first_byte(backend)
         if self.prefill_seconds is not None:
-            self.metrics.handoff.labels(backend.url).observe(max(ttft - self.prefill_seconds, 0))
+            handoff = time.perf_counter() - self.started - self.prefill_seconds
+            self.metrics.handoff.labels(backend.url).observe(max(handoff, 0))
         on_first_byte()
+
+    def _client_first_byte(self, backend: Backend) -> None:
+        self.metrics.ttft.labels(backend.url).observe(time.perf_counter() - self.started)
+
+    async def _stream(self, data: bytes, backend: Backend) -> None:
+        """Write streamed bytes, starting the client's stream at the first."""
+        async with self._writing:
+            if self.response is None:
+                self._client_first_byte(backend)
+                self.response = web.StreamResponse(headers=_EVENT_STREAM)
+                await self.response.prepare(self.request)
+            await self.response.write(data)
+
+    async def prefill_answered(self, answer: Any, backend: Backend) -> None:
+        """Prefill's answer is in: its first token goes to the client if it still can."""
+        if self.splice is None:
+            return
+        data = self.splice.prefill_answer(answer)
+        if data:
+            self.metrics.first_token.labels("prefill").inc()
+            await self._stream(data, backend)
 
     async def forward(
         self, resp: aiohttp.ClientResponse, backend: Backend, on_first_byte: Callable[[], None]
     ) -> None:
+        if self.splice is not None:
+            return await self._spliced(resp, backend, on_first_byte, self.splice)
         content_type = resp.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
             data = await resp.read()
             self._first_byte(backend, on_first_byte)
+            self.from_decode = True
             self.response = web.Response(body=data, headers={"Content-Type": content_type})
             return
         stream = web.StreamResponse(
             headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
         )
+        async for chunk in self._chunks(resp, backend, on_first_byte):
+            if self.response is None:
+                self.from_decode = True
+                await stream.prepare(self.request)
+                self.response = stream
+            await stream.write(chunk)
+        if self.response is None:
+            await stream.prepare(self.request)
+            self.response = stream
+        await stream.write_eof()
+
+    async def _chunks(
+        self, resp: aiohttp.ClientResponse, backend: Backend, on_first_byte: Callable[[], None]
+    ) -> AsyncIterator[bytes]:
+        """Decode's streamed bytes as they come, its first byte timed."""
         first = True
         async for chunk in resp.content.iter_any():
             if self.chunk_log is not None:
                 self.chunk_log.append((time.monotonic(), len(chunk)))
             if first:
                 self._first_byte(backend, on_first_byte)
-                await stream.prepare(self.request)
-                self.response = stream
                 first = False
-            await stream.write(chunk)
-        if first:
-            await stream.prepare(self.request)
-            self.response = stream
-        await stream.write_eof()
+            yield chunk
+
+    async def _spliced(
+        self,
+        resp: aiohttp.ClientResponse,
+        backend: Backend,
+        on_first_byte: Callable[[], None],
+        splice: Splice,
+    ) -> None:
+        async for chunk in self._chunks(resp, backend, on_first_byte):
+            data = splice.decode_bytes(chunk)
+            if data:
+                self.from_decode = True
+                await self._stream(data, backend)
+        await self._stream(splice.flush(), backend)
+        if not splice.sent_early:
+            self.metrics.first_token.labels("decode").inc()
+        elif splice.mismatch:
+            self.metrics.first_token.labels("mismatch").inc()
+            log.error(
+                "decode %s did not produce prefill's first token, so this client got a "
+                "first token decode did not continue from; is decode running kvpush's "
+                "logits processor (kvpush installed in its environment, no speculative "
+                "decoding)? Else run the proxy with --first-token decode",
+                backend.url,
+            )
+        assert self.response is not None
+        await self.response.write_eof()
 
     async def fail(self, status: int, message: str, backend: str | None) -> web.StreamResponse:
         kind = "backend_error"

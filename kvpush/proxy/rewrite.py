@@ -117,6 +117,9 @@ def validate_body(body: Any) -> dict[str, Any]:
         value = body.get(key)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise RequestError(f"{key} must be a positive integer")
+    extra = body.get("vllm_xargs")
+    if isinstance(extra, dict) and any(str(key).startswith("kvpush_") for key in extra):
+        raise RequestError("vllm_xargs keys starting with kvpush_ are the proxy's; remove them")
     if body.get("n", 1) != 1 or body.get("best_of", 1) not in (None, 1):
         raise RequestError("n and best_of must be 1 in P/D serving (one KV handoff per request)")
     return body
@@ -160,6 +163,8 @@ def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> di
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
+    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] >= 1:
+        out["min_tokens"] = 1  # no EOS as the first token, as decode would not sample it
     out["kv_transfer_params"] = kv_transfer_params
     return out
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpush.core.protocol import FIRST_TOKEN_PARAM
+
 
 @dataclass(slots=True)
 class StubBehaviour:
@@ -26,6 +28,7 @@ class StubBehaviour:
     hang: bool = False
     delay: float = 0.0
     token_gap: float = 0.0
+    first_gap: float = 0.0  # streamed: before the first token (decode waiting for its KV)
     tokens: tuple[str, ...] = ("Hello", " from", " stub")
 
 
@@ -92,6 +95,8 @@ class StubBackend:
             answer = {
                 "id": "p",
                 "object": "text_completion",
+                "created": 1,
+                "model": "stub",
                 "choices": [{"index": 0, "text": b.tokens[0], "finish_reason": "length"}],
                 "usage": usage,
                 "kv_transfer_params": {
@@ -101,8 +106,15 @@ class StubBackend:
                     "remote_block_ids": [0, 1],
                     "remote_host": "127.0.0.1",
                     "remote_port": 1,
+                    FIRST_TOKEN_PARAM: 1,  # the id of its first token, as kvpush returns it
                 },
             }
+            if "messages" in body:
+                answer["object"] = "chat.completion"
+                answer["choices"] = [
+                    {"index": 0, "message": {"role": "assistant", "content": b.tokens[0]},
+                     "finish_reason": "length"}
+                ]  # fmt: skip
             return web.json_response(answer)
         if not body.get("stream"):
             return web.json_response(
@@ -115,13 +127,21 @@ class StubBackend:
             )
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await stream.prepare(request)
+        chat = "messages" in body
+        if chat:  # like vLLM, the role first, before any token
+            role = {"id": "d", "choices": [{"index": 0, "delta": {"role": "assistant",
+                    "content": ""}, "finish_reason": None}]}  # fmt: skip
+            await stream.write(f"data: {json.dumps(role)}\n\n".encode())
+        if b.first_gap:
+            await asyncio.sleep(b.first_gap)
         # Like vLLM, stop at max_tokens (the benchmark's probes ask for one).
         limit = body.get("max_tokens")
         tokens = b.tokens[:limit] if isinstance(limit, int) and limit > 0 else b.tokens
         for i, token in enumerate(tokens):
             if i and b.token_gap:
                 await asyncio.sleep(b.token_gap)
-            chunk = {"id": "d", "choices": [{"index": 0, "text": token, "finish_reason": None}]}
+            part: dict[str, Any] = {"delta": {"content": token}} if chat else {"text": token}
+            chunk = {"id": "d", "choices": [{"index": 0, **part, "finish_reason": None}]}
             await stream.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await stream.write(b"data: [DONE]\n\n")
         await stream.write_eof()

@@ -47,6 +47,9 @@ class ConnectorSetup:
     prefill_role: str = "kv_both"
     decode_role: str = "kv_both"
     extra_config: tuple[tuple[str, Any], ...] = ()
+    # where the proxy takes a streamed answer's first token from (`kvpush proxy
+    # --first-token`): prefill only where decode reproduces it, i.e. kvpush's connector
+    first_token: str = "decode"
 
     def transfer_config(self, role: str, engine_id: str, timed: bool = False) -> dict[str, Any]:
         """vLLM's --kv-transfer-config; `timed` wraps the connector in a hook timer."""
@@ -102,6 +105,7 @@ SETUPS: dict[str, ConnectorSetup] = {
             prefill_role="kv_producer",
             decode_role="kv_consumer",
             extra_config=(("mode", "push"),),
+            first_token="prefill",
         ),
         ConnectorSetup(
             "kvpush-pull",
@@ -111,6 +115,7 @@ SETUPS: dict[str, ConnectorSetup] = {
             prefill_role="kv_producer",
             decode_role="kv_consumer",
             extra_config=(("mode", "pull"),),
+            first_token="prefill",
         ),
     )
 }

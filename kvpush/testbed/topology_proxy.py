@@ -30,8 +30,9 @@ def topology_proxy_config(topology: Topology, **settings: Any) -> ProxyConfig:
     from kvpush.proxy.config import ProxyConfig
 
     prefill, decode = topology.proxy_backends()
-    mode = SETUPS[topology.config.setup or ""].proxy_mode
-    return ProxyConfig(mode=mode, prefill=prefill, decode=decode, **settings)
+    setup = SETUPS[topology.config.setup or ""]
+    settings.setdefault("first_token", setup.first_token)
+    return ProxyConfig(mode=setup.proxy_mode, prefill=prefill, decode=decode, **settings)
 
 
 async def start_topology_proxy(topology: Topology, port: int, **settings: Any) -> web.AppRunner:

@@ -152,6 +152,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
     parser.add_argument("--no-pin", dest="pin", action="store_false", help=NO_PIN_HELP)
     parser.add_argument(
+        "--first-token",
+        choices=("prefill", "decode"),
+        default=None,
+        help="where the proxy takes a streamed answer's first token from (kvpush proxy "
+        "--first-token; default: prefill with kvpush's connector, decode with vLLM's)",
+    )
+    parser.add_argument(
         "--warmup",
         type=at_least(0),
         default=1,
@@ -287,14 +294,16 @@ async def _serve(topology: Topology, args: argparse.Namespace) -> int:
     from kvpush.proxy.server import PROXY_KEY
 
     try:
-        runner = await start_topology_proxy(
-            topology, args.port, request_timeout=args.request_timeout
-        )
+        settings: dict[str, Any] = {"request_timeout": args.request_timeout}
+        if args.first_token:
+            settings["first_token"] = args.first_token
+        runner = await start_topology_proxy(topology, args.port, **settings)
     except OSError as exc:
         raise cannot_listen(args.port, exc) from None
     proxy = runner.app[PROXY_KEY]
     mode = proxy.config.mode
     url = local_url(args.port)
+    print(f"  a streamed answer's first token comes from {proxy.config.first_token}", flush=True)
     for i in range(args.warmup):
         error = await warm_up(url, str(topology.config.model))
         print(f"  warm-up {i + 1}/{args.warmup}: {error or 'ok'}", flush=True)

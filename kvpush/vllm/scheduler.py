@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpush.core.protocol import grant
+from kvpush.core.protocol import FIRST_TOKEN_PARAM, NO_TOKEN, grant
 from kvpush.node.config import KvpushConfig
 from kvpush.node.results import HookTimer
 from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
@@ -199,12 +199,15 @@ class SchedulerSide:
         if not _finished_normally(request) or not block_ids:
             self._aborted.append(AbortSpec(transfer_id, request.request_id))
             return False, None
+        outputs = request.output_token_ids
+        sampled = outputs[0] if outputs else NO_TOKEN
         self._send.append(
             SendSpec(
                 transfer_id=transfer_id,
                 request_id=request.request_id,
                 block_ids=tuple(block_ids),
                 num_tokens=request.num_computed_tokens,
+                sampled=sampled,
             )
         )
         self._sending[request.request_id] = time.monotonic()
@@ -221,6 +224,8 @@ class SchedulerSide:
             "remote_num_tokens": request.num_computed_tokens,
             "tp_size": self.tp_size,
         }
+        if sampled != NO_TOKEN:  # decode reproduces it (the proxy may stream it first)
+            coordinates[FIRST_TOKEN_PARAM] = sampled
         if self.config.secret:  # lets decode refuse coordinates altered on the way
             coordinates["kvpush_grant"] = grant(
                 self.config.secret,

@@ -71,6 +71,33 @@ def test_chat_equals_single_server(
     assert deployment.ask(post_stream, "/v1/chat/completions", chat(tiny_model)) == reference.chat
 
 
+def test_a_sampled_stream_continues_from_the_first_token_it_showed(
+    deployment: Deployment, tiny_model: Path
+) -> None:
+    """With kvpush the client's first token comes from prefill, the moment it answers, and
+    decode continues from that token. With sampling, decode's own first token would differ
+    (the tiny model's distribution is nearly flat): the proxy checks the text decode
+    produced for its first token against prefill's, and counts mismatches."""
+    if not deployment.setup.startswith("kvpush"):
+        pytest.skip("vLLM's connectors: the first token comes from decode")
+
+    def counts() -> dict[str, float]:
+        text = scrape.scrape(deployment.proxy)
+        return {
+            s: scrape.total(text, "kvpush_proxy_first_token_total", source=s)
+            for s in ("prefill", "decode", "mismatch")
+        }
+
+    before = counts()
+    for i in range(8):
+        body = {**completion(tiny_model, f"sample {i}: {PROMPTS[0]}"), "temperature": 1.0}
+        assert deployment.ask(post_stream, "/v1/completions", body)
+    grown = {k: v - before[k] for k, v in counts().items()}
+    assert grown["prefill"] + grown["decode"] == 8
+    assert grown["prefill"] >= 4, grown
+    assert grown["mismatch"] == 0, grown
+
+
 def test_decode_got_every_prompt_token_by_kv_transfer(
     deployment: Deployment, tiny_model: Path
 ) -> None:

@@ -230,6 +230,20 @@ def test_the_request_arrives_exactly_and_both_sides_report_it(
     assert len(initiator.transport.posted) == 1
 
 
+def test_push_brings_prefills_first_token_to_decodes_process(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """The token prefill sampled rides on WriteDone, and decode's process has it before the
+    transfer counts as arrived (kvpush's logits processor reads it at decode's first step)."""
+    from kvpush.node.sampled import SAMPLED
+
+    prefill, decode = nodes("push", 4)
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS, sampled=4242),))
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3), 0),))
+    run_until((prefill, decode), lambda: bool(decode.recving))
+    assert SAMPLED.get("t1") == 4242
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_a_scheduler_in_the_nodes_process_hands_its_specs_over_at_once(
     nodes: Callable[..., tuple[Node, Node]], mode: str

@@ -77,6 +77,7 @@ EXAMPLES: list[Message] = [
     hello(),
     REGISTRATION,
     WriteDone("t-1", 3, 1, 2, True, ""),
+    WriteDone("t-1", 3, 1, 2, True, "", 151_643),
     WriteDone("t-1", 3, 0, 2, False, "NIXL_ERR_REMOTE_DISCONNECT"),
     Cancel("t-1", 2, "client went away"),
     Cancel("t-1", 2, "client went away", "10.0.0.2", 5601),
@@ -160,7 +161,10 @@ def registrations(draw: st.DrawFn) -> Registration:
 @st.composite
 def write_dones(draw: st.DrawFn) -> WriteDone:
     rank, size = draw(tp())
-    return WriteDone(draw(ids), draw(generations), rank, size, draw(st.booleans()), draw(texts))
+    sampled = draw(st.integers(-1, 2**63 - 1))
+    return WriteDone(
+        draw(ids), draw(generations), rank, size, draw(st.booleans()), draw(texts), sampled
+    )
 
 
 @st.composite

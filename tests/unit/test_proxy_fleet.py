@@ -345,7 +345,8 @@ async def test_a_decode_ejected_while_streaming_ends_the_stream_with_an_error() 
             stub.behaviour = StubBehaviour(token_gap=0.2, tokens=("a",) * 50)
         resp = await r.post({**BODY, "stream": True})
         assert resp.status == 200
-        await resp.content.readline()
+        await resp.content.readline()  # prefill's first token: decode may not have the leg yet
+        await eventually(lambda: any(stub.received for stub in r.decode))
         serving = next(stub for stub in r.decode if stub.received)
         serving.behaviour.hang = True  # now /health hangs too
         started = time.monotonic()

@@ -222,3 +222,97 @@ async def test_a_failed_handoff_names_the_kvpush_failures_that_grew() -> None:
         second = (await (await rig.post(BODY)).json())["error"]["message"]
         assert "decode http://127.0.0.1:" in second and "peer_gone +1" in second
         assert "transfer_timeout" not in second  # it did not grow this time
+
+
+def stream_events(text: str) -> list[dict[str, Any]]:
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def event_text(event: dict[str, Any]) -> str:
+    choice = event["choices"][0]
+    return str(choice["text"] if "text" in choice else choice["delta"].get("content") or "")
+
+
+async def first_content(resp: aiohttp.ClientResponse) -> tuple[float, list[dict[str, Any]]]:
+    """The events up to the first with text, and when that one came."""
+    events = []
+    while True:
+        line = await resp.content.readline()
+        if line.startswith(b"data: "):
+            events.append(json.loads(line[6:]))
+            if event_text(events[-1]):
+                return time.monotonic(), events
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_streamed_answer_starts_with_prefills_token_and_decode_continues_from_it(
+    rig: Rig, path: str
+) -> None:
+    """Decode waits 1.5 s (its KV): the client's first token comes from prefill before that,
+    decode's copy of it is left out, and decode is told which token to reproduce."""
+    rig.decode.behaviour = StubBehaviour(first_gap=1.5)
+    body: dict[str, Any] = {**BODY, "stream": True}
+    if "chat" in path:
+        body = {**body, "messages": [{"role": "user", "content": "hi"}]}
+        del body["prompt"]
+    started = time.monotonic()
+    resp = await rig.post(body, path)
+    first_at, head = await first_content(resp)
+    assert first_at - started < 1.0, "prefill's token must not wait for decode's"
+    assert head[-1]["id"] == "p" and event_text(head[-1]) == "Hello"
+    events = [*head, *stream_events(await resp.text())]
+    assert "".join(event_text(e) for e in events) == "Hello from stub"
+    if "chat" in path:  # push: decode's role chunk may come first (vLLM sends it at once)
+        roles = [e["choices"][0]["delta"].get("role") for e in events]
+        assert roles.count("assistant") == 1 and roles[0] == "assistant", roles
+    xargs = rig.decode.received[0][1]["vllm_xargs"]
+    if rig.prefill.received[0][1]["kv_transfer_params"].get("transfer_id"):  # push
+        transfer_id = rig.prefill.received[0][1]["kv_transfer_params"]["transfer_id"]
+        assert xargs == {"kvpush_first_token_of": transfer_id}
+    else:
+        assert xargs == {"kvpush_first_token": 1}  # the id prefill returned
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert 'kvpush_proxy_first_token_total{source="prefill"} 1.0' in metrics
+
+
+async def test_when_decode_answers_first_the_stream_is_decodes_alone() -> None:
+    async for rig in make_rig("push"):
+        rig.prefill.behaviour = StubBehaviour(delay=0.3)
+        resp = await rig.post({**BODY, "stream": True})
+        events = stream_events(await resp.text())
+        assert [e["id"] for e in events] == ["d", "d", "d"]
+        assert "".join(event_text(e) for e in events) == "Hello from stub"
+        metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+        assert 'kvpush_proxy_first_token_total{source="decode"} 1.0' in metrics
+
+
+async def test_a_decode_that_does_not_reproduce_the_token_is_counted(rig: Rig) -> None:
+    rig.decode.behaviour = StubBehaviour(first_gap=0.3, tokens=("Howdy", " there"))
+    resp = await rig.post({**BODY, "stream": True})
+    text = "".join(event_text(e) for e in stream_events(await resp.text()))
+    assert text == "HelloHowdy there"  # nothing of decode's is lost
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert 'kvpush_proxy_first_token_total{source="mismatch"} 1.0' in metrics
+
+
+async def test_first_token_from_decode_and_unstreamed_requests_are_not_pinned() -> None:
+    async for rig in make_rig("push", first_token="decode"):
+        rig.decode.behaviour = StubBehaviour(first_gap=0.2)
+        events = stream_events(await (await rig.post({**BODY, "stream": True})).text())
+        assert [e["id"] for e in events] == ["d", "d", "d"]
+        assert "vllm_xargs" not in rig.decode.received[0][1]
+    async for rig in make_rig("pull"):
+        await rig.post(BODY)
+        await rig.post({**BODY, "stream": True, "logprobs": 1})
+        assert all("vllm_xargs" not in body for _, body in rig.decode.received)
+
+
+async def test_clients_cannot_set_the_proxys_vllm_xargs(rig: Rig) -> None:
+    resp = await rig.post({**BODY, "vllm_xargs": {"kvpush_first_token_of": "someone-else"}})
+    assert resp.status == 400 and "kvpush_" in (await resp.json())["error"]["message"]
+    ok = await rig.post({**BODY, "stream": True, "vllm_xargs": {"mine": 1}})
+    assert ok.status == 200
+    await ok.read()
+    assert rig.decode.received[-1][1]["vllm_xargs"]["mine"] == 1

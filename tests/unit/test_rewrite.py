@@ -62,6 +62,13 @@ def test_chat_prefill_caps_max_completion_tokens_too() -> None:
     assert leg["max_completion_tokens"] == 1 and leg["max_tokens"] == 1
 
 
+def test_prefill_keeps_a_minimum_of_one_token_so_its_first_is_not_eos() -> None:
+    """Decode reproduces prefill's first token: one prefill could not sample, neither."""
+    leg = rewrite.prefill_body({"prompt": "x", "min_tokens": 5}, rewrite.pull_prefill_params())
+    assert leg["min_tokens"] == 1
+    assert "min_tokens" not in rewrite.prefill_body({"prompt": "x"}, {})
+
+
 def test_decode_leg_is_the_client_request_plus_params() -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
     params = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
@@ -102,6 +109,7 @@ def test_pull_decode_params_come_from_prefill_answer() -> None:
         ({"prompt": "x", "max_tokens": 0}, "positive integer"),
         ({"prompt": "x", "max_tokens": "5"}, "positive integer"),
         ({"prompt": "x", "n": 2}, "n and best_of"),
+        ({"prompt": "x", "vllm_xargs": {"kvpush_first_token": 1}}, "are the proxy's"),
     ],
 )
 def test_validate_body_rejects_with_a_reason(body: object, complaint: str) -> None:

@@ -20,6 +20,7 @@ class FakeRequest:
     kv_transfer_params: dict[str, Any] | None
     status: Any = None
     num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -149,8 +150,9 @@ def test_pull_prefill_keeps_its_blocks_and_answers_with_their_coordinates() -> N
     config = KvpushConfig(mode="pull", host="10.0.0.5", port=7100)
     side = SchedulerSide(config, "prefill-0", is_producer=True, tp_size=2)
     req = FakeRequest(
-        "p-1", list(range(6)), {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED, 6
-    )
+        "p-1", list(range(6)), {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED, 6,
+        [4711],
+    )  # fmt: skip
     delay, params = side.request_finished(req, [9, 2])  # type: ignore[arg-type]
     assert delay and params == {
         "do_remote_prefill": True,
@@ -162,9 +164,11 @@ def test_pull_prefill_keeps_its_blocks_and_answers_with_their_coordinates() -> N
         "remote_block_ids": [9, 2],
         "remote_num_tokens": 6,
         "tp_size": 2,
+        "first_token_id": 4711,  # the token it sampled, which decode is to reproduce
     }
     (send,) = side.build_connector_meta(SimpleNamespace()).send
     assert (send.transfer_id, send.block_ids, send.num_tokens) == ("p-1", (9, 2), 6)
+    assert send.sampled == 4711  # push: it goes with WriteDone
     assert side.has_pending_push_work()
     side.update_connector_output({"p-1"}, set())
     assert not side.has_pending_push_work()
