@@ -37,6 +37,7 @@ from kvpush.bench.results import Point
 from kvpush.testbed import scrape
 from kvpush.testbed.pinning import OWN_GROUP, confined, pin_preexec
 from kvpush.testbed.topology import (
+    SETUPS,
     PairSettings,
     StartupError,
     StartupProgress,
@@ -497,6 +498,8 @@ def record_head(spec: SweepSpec, point: Point, topology: Topology) -> dict[str, 
         "seed": point.seed(spec.seed),
         # which cores each server ran on, and whether its whole process tree was held there
         "pinning": topology.pinning(),
+        # where the proxy took a streamed answer's first token from (None: no proxy)
+        "first_token": SETUPS[point.setup].first_token if point.setup in SETUPS else None,
     }
 
 

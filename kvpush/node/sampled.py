@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from kvpush.node.results import HookTimer
+
 CAPACITY = 65_536
 
 
@@ -44,3 +46,6 @@ class SampledTokens:
 
 
 SAMPLED = SampledTokens()  # this process's, shared by its node's receiver and vLLM's sampler
+# The logits processor's time on the worker's main thread, where vLLM samples: drained
+# into the node's stats with its hooks' (`worker.first_token`), timed only when it pins.
+PIN_TIMER = HookTimer("worker")

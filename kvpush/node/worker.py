@@ -69,6 +69,7 @@ from kvpush.node.pull import LeaseKeeper
 from kvpush.node.push import PushWriter
 from kvpush.node.receiver import Receiver
 from kvpush.node.results import HookTimer, Results
+from kvpush.node.sampled import PIN_TIMER
 from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
 
 log = logging.getLogger("kvpush.worker")
@@ -328,6 +329,7 @@ class WorkerSide:
     def stats_data(self) -> dict[str, Any]:
         data = self.results.take_data()
         self.timer.drain(data)
+        PIN_TIMER.drain(data)
         if self.server is not None:
             # The server keeps running totals; stats carry what is new since last time.
             for kind, total in self.server.rejected.items():

@@ -35,7 +35,7 @@ from vllm.v1.sample.logits_processor.interface import (
 )
 
 from kvpush.core.protocol import FIRST_TOKEN_ARG, FIRST_TOKEN_OF_ARG
-from kvpush.node.sampled import SAMPLED
+from kvpush.node.sampled import PIN_TIMER, SAMPLED
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -81,6 +81,7 @@ class FirstToken(LogitsProcessor):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         # batch row -> (token, the request's live list of output tokens)
         self.rows: dict[int, tuple[int, list[int]]] = {}
+        self._span = PIN_TIMER("first_token")
 
     def is_argmax_invariant(self) -> bool:
         return False  # it changes what greedy sampling picks
@@ -95,7 +96,8 @@ class FirstToken(LogitsProcessor):
             rows.pop(index, None)
             if params is None or not params.extra_args or outputs:
                 continue
-            token = wanted_token(params.extra_args)
+            with self._span:
+                token = wanted_token(params.extra_args)
             if token is not None:
                 rows[index] = (token, outputs)
         for a, b, direction in batch_update.moved:
@@ -108,6 +110,10 @@ class FirstToken(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.rows:
             return logits
+        with self._span:
+            return self._pin(logits)
+
+    def _pin(self, logits: torch.Tensor) -> torch.Tensor:
         vocab = logits.shape[-1]
         for row, (token, outputs) in list(self.rows.items()):
             if outputs:  # its first token is out: nothing more to pin

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpush.core.protocol import FIRST_TOKEN_PARAM, NO_TOKEN, grant
+from kvpush.core.protocol import FIRST_TOKEN_OF_ARG, FIRST_TOKEN_PARAM, NO_TOKEN, grant
 from kvpush.node.config import KvpushConfig
 from kvpush.node.results import HookTimer
 from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
@@ -80,6 +80,10 @@ class SchedulerSide:
                 return None, False  # vLLM: not known yet, ask again next step
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count <= 0 or (num_computed_tokens > 0 and count <= self.block_size):
+                if count > 0 and _first_token_from_write(request):
+                    # Decode must reproduce the first token prefill sampled, which comes
+                    # with prefill's WriteDone: take the few tokens left from prefill too.
+                    return count, True
                 # A full prefix-cache hit: vLLM caches whole blocks up to the prompt's last
                 # token, so what is left lies in one block that decode computes itself, as
                 # one server would; update_state_after_alloc lets prefill free its KV.
@@ -250,6 +254,13 @@ class SchedulerSide:
         # Keep the engine stepping while prefill blocks wait for their write, so the
         # worker's completions are collected (and the blocks freed) promptly.
         return bool(self._sending or self._send or self._recv or self._aborted)
+
+
+def _first_token_from_write(request: Request) -> bool:
+    """Push: the proxy asked decode to reproduce prefill's first token (`vllm_xargs`)."""
+    params = request.sampling_params
+    extra = params.extra_args if params is not None else None
+    return extra is not None and FIRST_TOKEN_OF_ARG in extra
 
 
 def _finished_normally(request: Request) -> bool:

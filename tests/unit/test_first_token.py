@@ -14,7 +14,8 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
 
-from kvpush.node.sampled import SAMPLED, SampledTokens
+from kvpush.node.results import empty_data
+from kvpush.node.sampled import PIN_TIMER, SAMPLED, SampledTokens
 from kvpush.proxy import first_token
 from kvpush.proxy.first_token import Splice
 from kvpush.vllm.first_token import FirstToken, wanted_token
@@ -219,6 +220,11 @@ def test_the_first_step_of_a_pinned_request_can_only_draw_prefills_token() -> No
     outputs.append(5)  # the first token is out: row 1 samples freely from now on
     proc.update_state(None)
     assert pinned_rows(proc) == {2: 9}
+    data = empty_data()
+    PIN_TIMER.drain(data)  # its time on the worker's main thread, as the node reports it
+    assert (
+        data["hook_calls"]["worker.first_token"] >= 4 and data["hook_s"]["worker.first_token"] > 0
+    )
 
 
 def test_pins_follow_vllms_batch_moves_and_removals() -> None:

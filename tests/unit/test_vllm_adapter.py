@@ -21,6 +21,7 @@ class FakeRequest:
     status: Any = None
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+    sampling_params: Any = None
 
 
 @dataclass
@@ -85,6 +86,20 @@ def test_a_full_decode_prefix_hit_needs_no_transfer_and_frees_prefill(prompt: in
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
     side.update_state_after_alloc(req, FakeBlocks([7]), 0)  # type: ignore[arg-type]
     assert side.build_connector_meta(SimpleNamespace()).aborted == []
+
+
+def test_a_full_hit_still_takes_the_tail_from_prefill_when_its_first_token_is_pinned() -> None:
+    """Push, streamed through the proxy: decode must reproduce prefill's first token, which
+    comes with prefill's WriteDone, so even a full hit waits for a (one-block) WRITE."""
+    from vllm import SamplingParams
+
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, block_size=16)
+    pinned = SamplingParams(extra_args={"kvpush_first_token_of": "t1"})
+    req = FakeRequest("d", list(range(100)), decode_params(), sampling_params=pinned)
+    assert side.get_num_new_matched_tokens(req, 96) == (4, True)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks([7]), 4)  # type: ignore[arg-type]
+    (spec,) = side.build_connector_meta(SimpleNamespace()).recv
+    assert (spec.first_token, spec.num_tokens, spec.block_ids) == (96, 100, (7,))
 
 
 def test_a_short_prompt_without_a_hit_is_transferred() -> None:
