@@ -179,8 +179,8 @@ def _ms(value: float | None, partial: bool) -> str:
 def table(rows: Sequence[Aggregate]) -> str:
     """The per-point table with ratios to the best vLLM connector, and what its marks mean."""
     columns = [col for col, _, _ in ratio_columns(rows)]
-    header = ["in", "qps", "setup", "result", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
-    header += ["req/s", "1 burst", "late", *columns]
+    header = ["in", "qps", "setup", "result", "TTFT p50", "TTFT p99", "2nd token p50"]
+    header += ["TPOT p50", "TPOT p99", "req/s", "1 burst", "late", *columns]
     cells = []
     for line in lines(rows):
         r = line.row
@@ -190,7 +190,8 @@ def table(rows: Sequence[Aggregate]) -> str:
                 f"{r.rate:g}",
                 r.setup,
                 result_cell(r),
-                *(_ms(v, r.partial) for v in (r.ttft_p50, r.ttft_p99, r.tpot_p50, r.tpot_p99)),
+                *(_ms(v, r.partial) for v in (r.ttft_p50, r.ttft_p99, r.tt2t_p50)),
+                *(_ms(v, r.partial) for v in (r.tpot_p50, r.tpot_p99)),
                 "-" if r.throughput is None else f"{r.throughput:.2f}",
                 share(r.one_burst),
                 share(r.late_tokens),
@@ -198,7 +199,9 @@ def table(rows: Sequence[Aggregate]) -> str:
             ]
         )
     notes = [
-        "latencies in ms: medians over iterations of each run's p50 / p99; "
+        "latencies in ms: medians over iterations of each run's p50 / p99; 2nd token: "
+        "the time to it (with the first token from prefill, TTFT is prefill's leg and the "
+        "handoff shows here); "
         "X/vLLM: this setup's p50 divided by the best vLLM connector as shipped "
         f"({', '.join(SHIPPED)}) at that point, ok in every run if one was; "
         "below 1.00x is better"
@@ -252,6 +255,7 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
             "request_throughput",
             "one_burst",
             "late_tokens",
+            "tt2t_p50_ms",
             *(col.replace("/", "_vs_").lower() for col in columns),
             *(col.replace("/", "_vs_").lower() + "_shaky" for col in columns),
         ]
@@ -279,6 +283,7 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
                 number(r.throughput),
                 number(r.one_burst),
                 number(r.late_tokens),
+                number(r.tt2t_p50),
                 *(number(x.value) for x in ratios),
                 *(int(x.shaky) for x in ratios),
             ]

@@ -205,12 +205,31 @@ def summarise_bench(raw: dict[str, Any], engine_step_ms: float | None = None) ->
         {"error": text[:300], "count": n} for text, n in Counter(errors).most_common(3)
     ]
     summary["one_burst"] = one_burst_share(raw)
+    summary["tt2t"] = second_token(raw)
     summary.update(late_tokens(raw, engine_step_ms))
     if completed == 0:
         # vLLM reports 0 for every latency when nothing completed; that is no measurement.
-        for metric in METRICS:
+        for metric in (*METRICS, "tt2t"):
             summary[metric] = {"mean": None, "p50": None, "p99": None}
     return summary
+
+
+def second_token(raw: dict[str, Any]) -> dict[str, float | None]:
+    """Time to the second token, ms (mean / p50 / p99 over requests with two or more).
+
+    Where the first token comes from prefill (kvpush's proxy), TTFT is prefill's leg alone
+    and the handoff shows here: the second token is decode's first."""
+    ttfts, itls = raw.get("ttfts"), raw.get("itls")
+    times: list[float] = []
+    if isinstance(ttfts, list) and isinstance(itls, list):
+        for ttft, gaps in zip(ttfts, itls, strict=False):
+            if isinstance(ttft, int | float) and ttft > 0 and isinstance(gaps, list) and gaps:
+                times.append((ttft + float(gaps[0])) * 1e3)
+    if not times:
+        return {"mean": None, "p50": None, "p99": None}
+    times.sort()
+    p99 = times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)]
+    return {"mean": sum(times) / len(times), "p50": median(times), "p99": p99}
 
 
 ONE_BURST_MS = 1.0
@@ -356,6 +375,7 @@ class Aggregate:
     partial: bool = False
     one_burst: float | None = None  # median share of answers sent in one burst
     late_tokens: float | None = None  # median share of tokens late (`late_tokens()`)
+    tt2t_p50: float | None = None  # time to the second token (`second_token()`)
 
     @property
     def status(self) -> str:
@@ -414,6 +434,7 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
                 partial,
                 median(r.get("one_burst") for r in good),
                 median(r.get("late_tokens") for r in good),
+                mid("tt2t", "p50"),
             )
         )
     return rows

@@ -575,9 +575,11 @@ def describe(result: dict[str, Any]) -> str:
     if result["status"] != "ok":
         return f"{result['status']}: {result.get('reason')}"
     ttft, tpot = result.get("ttft") or {}, result.get("tpot") or {}
+    second = (result.get("tt2t") or {}).get("p50")
     line = (
-        f"ok, TTFT p50 {_ms(ttft.get('p50'))} p99 {_ms(ttft.get('p99'))}, "
-        f"TPOT p50 {_ms(tpot.get('p50'))} ms, {result.get('request_throughput') or 0:.2f} req/s"
+        f"ok, TTFT p50 {_ms(ttft.get('p50'))} p99 {_ms(ttft.get('p99'))}"
+        + (f" (2nd token {_ms(second)})" if second is not None else "")
+        + f", TPOT p50 {_ms(tpot.get('p50'))} ms, {result.get('request_throughput') or 0:.2f} req/s"
     )
     burst = result.get("one_burst")
     if burst:

@@ -37,7 +37,7 @@ def test_every_mark_in_the_table_is_explained_under_it(rows: list[results.Aggreg
 def test_a_coalesced_tpot_is_marked_and_gets_no_ratio(rows: list[results.Aggregate]) -> None:
     table = [line.split() for line in plot.table(rows).splitlines()]
     line = next(cells for cells in table if cells[:3] == ["256", "4", "kvpush-push"])
-    assert line[7] == "0.0^" and line[-1] == line[-3] == "-"  # TPOT p50, TPOT/nospin, TPOT/vLLM
+    assert line[8] == "0.0^" and line[-1] == line[-3] == "-"  # TPOT p50, TPOT/nospin, TPOT/vLLM
 
 
 def test_every_setup_has_a_line_or_a_marker_saying_why_not(

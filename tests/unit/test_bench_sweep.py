@@ -337,3 +337,12 @@ def test_no_ratio_against_a_coalesced_stream(tmp_path: Path) -> None:
     line = next(x for x in text.splitlines() if "kvpush-push" in x).split()
     assert line[-2:] == ["0.10x", "-"]
     assert "chunks coalesced" in text
+
+
+def test_the_time_to_the_second_token_is_read_from_each_requests_gaps() -> None:
+    """With the first token from prefill, TTFT is prefill's leg: the handoff shows in the
+    time to the second token, which is decode's first."""
+    data = {"ttfts": [0.010, 0.020, 0.030], "itls": [[0.005, 0.001], [0.010], []]}
+    assert results.second_token(data) == pytest.approx({"mean": 22.5, "p50": 22.5, "p99": 30.0})
+    assert results.second_token({"ttfts": [], "itls": []})["p50"] is None
+    assert set(results.summarise_bench(raw())["tt2t"]) == {"mean", "p50", "p99"}
