@@ -51,7 +51,7 @@ class Relay:
 
     def _first_byte(self, backend: Backend, on_first_byte: Callable[[], None]) -> None:
         """Decode's first byte: the handoff is over."""
-        if self.response is None:
+        if self.response is None and self.splice is None:  # spliced: timed as it is written
             self._client_first_byte(backend)
         if self.prefill_seconds is not None:
             handoff = time.perf_counter() - self.started - self.prefill_seconds

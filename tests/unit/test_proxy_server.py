@@ -286,6 +286,9 @@ async def test_when_decode_answers_first_the_stream_is_decodes_alone() -> None:
         assert "".join(event_text(e) for e in events) == "Hello from stub"
         metrics = await (await rig.session.get(rig.url + "/metrics")).text()
         assert 'kvpush_proxy_first_token_total{source="decode"} 1.0' in metrics
+        assert "kvpush_proxy_ttft_seconds_count" in metrics
+        counts = [line for line in metrics.splitlines() if "ttft_seconds_count" in line]
+        assert [float(line.split()[-1]) for line in counts] == [1.0], "one TTFT per request"
 
 
 async def test_a_decode_that_does_not_reproduce_the_token_is_counted(rig: Rig) -> None:
