@@ -31,7 +31,7 @@ import hmac
 import struct
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import msgpack
 
@@ -73,6 +73,11 @@ FIRST_TOKEN_ARG = "kvpush_first_token"
 FIRST_TOKEN_OF_ARG = "kvpush_first_token_of"
 FIRST_TOKEN_PARAM = "first_token_id"
 NO_TOKEN = -1
+
+
+def is_token_id(value: object) -> TypeGuard[int]:
+    """A token id as JSON carries one: an int >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class ProtocolError(Exception):

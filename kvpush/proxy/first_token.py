@@ -22,7 +22,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpush.core.protocol import FIRST_TOKEN_ARG, FIRST_TOKEN_OF_ARG, FIRST_TOKEN_PARAM
+from kvpush.core.protocol import (
+    FIRST_TOKEN_ARG,
+    FIRST_TOKEN_OF_ARG,
+    FIRST_TOKEN_PARAM,
+    is_token_id,
+)
 
 SOURCES = ("prefill", "decode")  # `kvpush proxy --first-token`
 _REPLACEMENT = "\ufffd"  # text of a token that ends inside a UTF-8 character
@@ -51,12 +56,16 @@ def pin_push(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
     return pin_args(body, FIRST_TOKEN_OF_ARG, transfer_id)
 
 
+def pulled_token(params: dict[str, Any]) -> int | None:
+    """The first token pull's prefill returned in its kv_transfer_params, if any."""
+    token = params.get(FIRST_TOKEN_PARAM)
+    return token if is_token_id(token) else None
+
+
 def pin_pull(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any] | None:
     """Decode's pull leg pinned to the token prefill returned; None if it returned none."""
-    token = params.get(FIRST_TOKEN_PARAM)
-    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-        return None
-    return pin_args(body, FIRST_TOKEN_ARG, token)
+    token = pulled_token(params)
+    return None if token is None else pin_args(body, FIRST_TOKEN_ARG, token)
 
 
 def _event(payload: dict[str, Any]) -> bytes:

@@ -203,7 +203,7 @@ class Legs:
                     coordinates = rewrite.pull_decode_params(answer, backend)
                 except ValueError as exc:
                     raise BackendFailure("prefill", backend, 502, str(exc)) from None
-                if first_token.pin_pull({}, coordinates) is None:
+                if first_token.pulled_token(coordinates) is None:
                     relay.splice = None  # prefill sent no token to pin decode to
             await relay.prefill_answered(answer, backend)
             return coordinates

@@ -34,7 +34,7 @@ from vllm.v1.sample.logits_processor.interface import (
     MoveDirectionality,
 )
 
-from kvpush.core.protocol import FIRST_TOKEN_ARG, FIRST_TOKEN_OF_ARG
+from kvpush.core.protocol import FIRST_TOKEN_ARG, FIRST_TOKEN_OF_ARG, is_token_id
 from kvpush.node.sampled import PIN_TIMER, SAMPLED
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def wanted_token(extra_args: dict[str, Any] | None) -> int | None:
     if not extra_args:
         return None
     token = extra_args.get(FIRST_TOKEN_ARG)
-    if isinstance(token, int) and not isinstance(token, bool) and token >= 0:
+    if is_token_id(token):
         return token
     transfer_id = extra_args.get(FIRST_TOKEN_OF_ARG)
     if isinstance(transfer_id, str):
@@ -70,9 +70,7 @@ class FirstToken(LogitsProcessor):
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         extra = sampling_params.extra_args or {}
         token = extra.get(FIRST_TOKEN_ARG)
-        if token is not None and (
-            not isinstance(token, int) or isinstance(token, bool) or token < 0
-        ):
+        if token is not None and not is_token_id(token):
             raise ValueError(f"vllm_xargs.{FIRST_TOKEN_ARG} must be a token id (an int >= 0)")
         transfer_id = extra.get(FIRST_TOKEN_OF_ARG)
         if transfer_id is not None and not isinstance(transfer_id, str):
