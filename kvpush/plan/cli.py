@@ -32,6 +32,7 @@ from kvpush.plan.model import (
 )
 from kvpush.plan.model_config import read_model
 from kvpush.plan.simulate import (
+    FIRST_TOKENS,
     H200_BF16_DENSE_TFLOPS,
     H200_HBM_TBPS,
     MODE_ORDER,
@@ -336,6 +337,14 @@ def register(subparsers: Any) -> None:
         help=f"pull's inline descriptor prep + READ submit (default: {default_submit:.2f}, "
         f"vLLM PR #45211: {PR45211_SUBMIT_MS} ms at {PR45211_PROMPT_TOKENS} tokens)",
     )
+    dec.add_argument(
+        "--first-token",
+        choices=FIRST_TOKENS,
+        default="decode",
+        help="where a streamed answer's first token comes from: decode (default: vLLM's "
+        "proxies and the articles, decode's first step) or prefill (kvpush's proxy: "
+        "prefill's answer, the handoff then shows at the second token)",
+    )
     sim.set_defaults(func=run_simulate)
     machine_cli.register(nested)
 
@@ -469,6 +478,7 @@ def sim_params(args: argparse.Namespace) -> SimParams:
         per_seq_ms=args.per_seq_ms,
         per_context_token_us=args.per_context_token_us,
         pull_submit_us_per_token=args.pull_submit_us_per_token,
+        first_token=args.first_token,
         seed=args.seed,
     )
 
@@ -494,11 +504,13 @@ def render_results(params: SimParams, results: Sequence[RunResult]) -> str:
     lines += [
         f"runs         {params.num_prompts} prompts, {params.output_len} output tokens, "
         f"--max-num-seqs {params.max_num_seqs}, seed {params.seed}",
+        f"first token  from {params.first_token}"
+        + (" (kvpush's proxy)" if params.first_token == "prefill" else " (vLLM's proxies)"),
         "",
     ]
     headers = [
         "input", "req/s", "mode", "prefill load",
-        "TTFT mean", "p50", "p99", "TPOT mean", "p50", "p99",
+        "TTFT mean", "p50", "p99", "2nd token p50", "TPOT mean", "p50", "p99",
     ]  # fmt: skip
     rows = [
         [
@@ -506,7 +518,7 @@ def render_results(params: SimParams, results: Sequence[RunResult]) -> str:
             f"{r.rate:g}",
             r.mode,
             f"{r.prefill_load:.2f}",
-            *(f"{v:.1f}" for v in (r.ttft_ms.mean, r.ttft_ms.p50, r.ttft_ms.p99)),
+            *(f"{v:.1f}" for v in (r.ttft_ms.mean, r.ttft_ms.p50, r.ttft_ms.p99, r.tt2t_ms.p50)),
             *(f"{v:.2f}" for v in (r.tpot_ms.mean, r.tpot_ms.p50, r.tpot_ms.p99)),
         ]
         for r in results

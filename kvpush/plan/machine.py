@@ -302,6 +302,7 @@ def sim_params(
     num_prompts: int,
     max_num_seqs: int | None = None,
     seed: int = 0,
+    first_token: str = "decode",
 ) -> SimParams:
     d = derive(profile, setup)
     return SimParams(
@@ -323,6 +324,7 @@ def sim_params(
         per_seq_ms=d.step.per_seq_ms,
         per_context_token_us=d.step.per_context_token_us,
         pull_submit_us_per_token=d.submit_us_per_token,
+        first_token=first_token,
         seed=seed,
     )
 
@@ -350,6 +352,9 @@ class Measured:
     late_tokens: float | None = None
     """Median over the ok runs of the share of output tokens that reached the client more
     than two decode steps after they were produced (`kvpush.bench.results.late_tokens`)."""
+    first_token: str = "decode"
+    """Where the proxy took streamed answers' first token from (results before it was
+    recorded: decode, the only way then)."""
 
 
 METRICS = ("ttft", "tpot", "e2el")
@@ -406,6 +411,7 @@ def measured_points(results: Sequence[Mapping[str, Any]]) -> list[Measured]:
                 e2el_p50=_median((r.get("e2el") or {}).get("p50") for r in ok),
                 one_burst=_median(r.get("one_burst") for r in ok),
                 late_tokens=_median(r.get("late_tokens") for r in ok),
+                first_token=str(runs[0].get("first_token") or "decode"),
             )
         )
     return points
@@ -424,6 +430,7 @@ def predict(
             num_prompts=point.num_prompts,
             max_num_seqs=point.max_num_seqs,
             seed=seed,
+            first_token=point.first_token,
         )
         run = simulate(params, profile.setup(point.setup).mode, point.rate, point.input_len)
         ttfts.append(run.ttft_ms.p50)

@@ -168,6 +168,7 @@ def profile_params(args: argparse.Namespace) -> tuple[SimParams, tuple[Mode, ...
         num_prompts=args.num_prompts,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        first_token=args.first_token,
     )
     return params, (profile.setup(args.setup).mode,)
 
@@ -289,6 +290,11 @@ def render_check(rows: Sequence[CheckRow], limit: float = 0.25) -> str:
         "puts their decode into TTFT and none into TPOT; late = share of output tokens that "
         "reached the client more than 2 decode steps after they were produced)",
     ]
+    from_prefill = sorted({r.measured.setup for r in rows if r.measured.first_token == "prefill"})
+    if from_prefill:
+        lines.append(
+            f"first token from prefill (as the sweep's proxy sent it): {', '.join(from_prefill)}"
+        )
     for setup in sorted({r.measured.setup for r in rows}):
         mine = [r for r in rows if r.measured.setup == setup]
         parts = []

@@ -27,7 +27,12 @@ What is simulated (one request's path):
    running sequences takes `base_tpot_ms` + n x `per_seq_ms` + the time to read their KV
    (context tokens x KV bytes per token / (TP x `hbm_tbps`)), plus any inline submissions.
    TTFT = first token - arrival; TPOT = (last token - first token) / (output_len - 1), as
-   `vllm bench serve` computes them.
+   `vllm bench serve` computes them; the time to the second token is the end of decode's
+   second step for the request, where the handoff shows whichever leg sent the first.
+   Where the first token comes from (`first_token`): "decode", vLLM's proxies, the end of
+   decode's first step for the request; "prefill", kvpush's proxy, prefill's answer (its
+   first token) on its way through prefill's front end, decode's first step then only
+   reproducing that token.
 5. Front ends (0 in the articles' setup, which states none; measured on a CPU machine by
    `kvpush plan measure`): each server reads a prompt for `api_us_per_token` per token
    before its engine sees it, and each answer leaves through its front end in
@@ -127,6 +132,10 @@ PREFILL_MFU = 0.4
 PR45211_SUBMIT_MS = 14.7
 PR45211_PROMPT_TOKENS = 2048
 
+# Where a streamed answer's first token comes from: decode's first step (vLLM's proxies,
+# the articles) or prefill's answer (kvpush's proxy, `kvpush proxy --first-token prefill`).
+FIRST_TOKENS = ("decode", "prefill")
+
 PUBLISHED_TTFT_MS = {("pull", 8.0, 16384): 1744.0, ("push", 8.0, 16384): 540.0}
 """The articles' mean TTFT at 8 QPS, 16k input (read off their chart, hence '~')."""
 
@@ -156,6 +165,7 @@ class SimParams:
     per_seq_ms: float = 0.0
     per_context_token_us: float = 0.0
     pull_submit_us_per_token: float = PR45211_SUBMIT_MS * 1e3 / PR45211_PROMPT_TOKENS
+    first_token: str = "decode"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -191,6 +201,10 @@ class SimParams:
         if self.base_tpot_ms + self.per_seq_ms <= 0:
             raise PlannerError(
                 "--base-tpot-ms and --per-seq-ms are both 0; a decode step takes time"
+            )
+        if self.first_token not in FIRST_TOKENS:
+            raise PlannerError(
+                f"--first-token must be one of {', '.join(FIRST_TOKENS)} (got {self.first_token!r})"
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise PlannerError(f"--seed must be a non-negative integer (got {self.seed!r})")
@@ -231,8 +245,13 @@ class _Request:
     allocated: bool = False
     kv_landed: float = math.inf
     generated: int = 0
-    first_token: float = math.nan
+    first_token: float = math.nan  # decode's first step for it ends
+    second_token: float = math.nan
     finished: float = math.nan
+
+    def shown_first(self, first_token: str) -> float:
+        """When the client's first token left its server's engine."""
+        return self.prefill_done if first_token == "prefill" else self.first_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +273,8 @@ class RunResult:
     input_len: int
     ttft_ms: Stats
     tpot_ms: Stats
+    tt2t_ms: Stats
+    """Arrival to the second token: decode's second step for the request."""
     e2el_ms: Stats
     """Arrival to last token, which chunks coalesced in a busy stream do not move."""
     prefill_load: float
@@ -397,6 +418,8 @@ class _Sim:
             req.generated += 1
             if req.generated == 1:
                 req.first_token = now
+            elif req.generated == 2:
+                req.second_token = now
             if req.generated == self.p.output_len:
                 req.finished = now
             else:
@@ -412,9 +435,15 @@ def simulate(params: SimParams, mode: Mode, rate: float, input_len: int) -> RunR
     check_positive("--rates", rate, "pass request rates in req/s")
     check_positive_int("--input-lens", input_len, "pass prompt lengths in tokens")
     requests = _Sim(params, mode, rate, input_len).run()
-    # the first token still passes decode's front end on its way to the client
-    ttft = [(req.first_token - req.arrival) * 1e3 + params.api_fixed_ms for req in requests]
-    tpot = [(req.finished - req.first_token) * 1e3 / (params.output_len - 1) for req in requests]
+    # every token still passes its server's front end on its way to the client
+    out = params.api_fixed_ms
+    shown = [req.shown_first(params.first_token) for req in requests]
+    ttft = [(first - req.arrival) * 1e3 + out for req, first in zip(requests, shown, strict=True)]
+    tt2t = [(req.second_token - req.arrival) * 1e3 + out for req in requests]
+    tpot = [
+        (req.finished - first) * 1e3 / (params.output_len - 1)
+        for req, first in zip(requests, shown, strict=True)
+    ]
     e2el = [(req.finished - req.arrival) * 1e3 + params.api_fixed_ms for req in requests]
     return RunResult(
         mode=mode,
@@ -422,6 +451,7 @@ def simulate(params: SimParams, mode: Mode, rate: float, input_len: int) -> RunR
         input_len=input_len,
         ttft_ms=Stats.of(ttft),
         tpot_ms=Stats.of(tpot),
+        tt2t_ms=Stats.of(tt2t),
         e2el_ms=Stats.of(e2el),
         prefill_load=rate * params.prefill.seconds(input_len),
     )

@@ -210,6 +210,20 @@ def test_check_predicts_each_point_of_known_setups() -> None:
         check(profile(), [record("vllm-push", 1.0, 30.0, 2.0)])
 
 
+def test_check_simulates_the_first_token_where_the_sweep_took_it() -> None:
+    """A sweep's records say where the proxy took the first token from; older ones,
+    without the field, took it from decode."""
+    old = record("kvpush-push", 1.0, 30.0, 2.0)
+    new = record("kvpush-push", 1.0, 30.0, 2.0, first_token="prefill", input_len=1024)
+    (then, now) = check(profile(), [old, new], seeds=2)
+    assert (then.measured.first_token, now.measured.first_token) == ("decode", "prefill")
+    prof = profile()
+    alone = sim_params(prof, "kvpush-push", output_len=32, num_prompts=24, first_token="prefill")
+    assert alone.first_token == "prefill"
+    from_decode = check(profile(), [{**new, "first_token": "decode"}], seeds=2)[0]
+    assert now.ttft_p50 < from_decode.ttft_p50  # prefill's answer, before the handoff
+
+
 def test_check_cli_prints_errors_and_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -53,6 +53,35 @@ def test_single_push_request_leaves_only_the_transfer_after_prefill() -> None:
     assert result.ttft_ms.mean == pytest.approx(expected * 1e3)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_first_token_from_prefill_is_prefills_answer_and_the_handoff_moves_to_the_second(
+    mode: str,
+) -> None:
+    n = 16384
+    before = single_request(output_len=4, api_fixed_ms=2.0)
+    from_decode = simulate(before, mode, 1.0, n)  # type: ignore[arg-type]
+    params = single_request(output_len=4, first_token="prefill", api_fixed_ms=2.0)
+    result = simulate(params, mode, 1.0, n)  # type: ignore[arg-type]
+    prefill_answer = params.hop_ms / 1e3 + params.prefill.seconds(n)
+    # the client's first token is prefill's, out through prefill's front end: no handoff
+    assert result.ttft_ms.mean == pytest.approx(prefill_answer * 1e3 + 2.0)
+    # decode's second step is the second token whichever leg sent the first; the handoff
+    # is in it
+    assert result.tt2t_ms == from_decode.tt2t_ms
+    assert result.tt2t_ms.mean - result.ttft_ms.mean > params.transfer_s(n) * 1e3
+    # TPOT now spans the handoff too: (last - prefill's token) / (output_len - 1)
+    assert result.tpot_ms.mean > from_decode.tpot_ms.mean
+
+
+def test_first_token_from_prefill_gives_both_modes_the_same_ttft_and_push_the_earlier_second() -> (
+    None
+):
+    params = articles_params(num_prompts=60, first_token="prefill")
+    pull, push = (simulate(params, mode, 4.0, 2048) for mode in ("pull", "push"))
+    assert pull.ttft_ms == push.ttft_ms  # prefill's leg is the same in both modes
+    assert push.tt2t_ms.p50 < pull.tt2t_ms.p50  # push's head start shows at the second
+
+
 def test_prefill_concurrency_shares_throughput() -> None:
     fifo = articles_params(num_prompts=2, output_len=2, prefill=PrefillSpeed(1000.0))
     shared = articles_params(
@@ -98,6 +127,7 @@ def test_same_seed_same_result_other_seed_other_result() -> None:
         ({"link_gbps": 0.0}, "--link-gbps"),
         ({"base_tpot_ms": 0.0}, "a decode step takes time"),
         ({"seed": -1}, "--seed"),
+        ({"first_token": "proxy"}, "--first-token must be one of decode, prefill"),
     ],
 )
 def test_sim_params_reject_bad_values(overrides: dict[str, object], message: str) -> None:
