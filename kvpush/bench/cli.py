@@ -12,7 +12,10 @@ connectors and ours. The warm-up request (first contact between the servers: han
 first registrations) is reported on its own; per request is the load's total divided by
 its requests, per step the worker's total over the load divided by its engine steps (calls
 of start_load_kv), and p50 the median step's total: a few steps where the worker lost its
-core weigh on the mean, not on the median.
+core weigh on the mean, not on the median. The `null` setup (kvpush.bench.null, on by
+default) is the floor: a connector whose hooks all return at once, timed the same way, so
+what vLLM's loop pays for calling any connector on this machine; each other setup is also
+given as its excess over it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvpush.testbed.pinning import NO_PIN_HELP
 from kvpush.testbed.topology import (
     BENCH_SETUPS,
     MAIN_SETUPS,
+    NULL,
     SETUPS,
     SWEEP_SETUPS,
     PairSettings,
@@ -59,7 +63,8 @@ def register(subparsers: Any) -> None:
         epilog=HOOKS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    compare.add_arguments(hooks, MAIN_SETUPS, tuple(SETUPS))  # single has no hooks to time
+    # single has no hooks to time; null is the floor the others are read against
+    compare.add_arguments(hooks, (NULL, *MAIN_SETUPS), tuple(SETUPS))
     hooks.set_defaults(func=run_hooks)
     comparer = tools.add_parser(
         "compare",
@@ -346,6 +351,43 @@ def hook_totals(ledger: dict[str, Any], role: str) -> tuple[float, int]:
     return sum(part.get("seconds", {}).values()), sum(part.get("calls", {}).values())
 
 
+def all_hooks_s(ledger: dict[str, Any]) -> float:
+    """Seconds of every hook of one server, scheduler and worker."""
+    return sum(hook_totals(ledger, role)[0] for role in ("scheduler", "worker"))
+
+
+def per_step_us(report: compare.SetupReport, server: str) -> float | None:
+    """A server's worker hooks' time over the load per engine step, in us."""
+    worker = report.hooks.get(server, {}).get("worker", {})
+    steps = worker.get("calls", {}).get("start_load_kv", 0)
+    return 1e6 * sum(worker.get("seconds", {}).values()) / steps if steps else None
+
+
+def above_floor(reports: list[compare.SetupReport], requests: int) -> list[str]:
+    """Each setup's hook time less the null connector's, per step and per request."""
+    floor = next((r for r in reports if r.setup == NULL and r.hooks), None)
+    if floor is None:
+        return []
+    lines = []
+    for report in reports:
+        if report is floor or not report.hooks:
+            continue
+        parts = []
+        for server in ("decode-0", "prefill-0"):
+            step, base = per_step_us(report, server), per_step_us(floor, server)
+            mine, theirs = (all_hooks_s(r.hooks.get(server, {})) for r in (report, floor))
+            per_step = (
+                f"{step - base:+.1f} us/step" if step is not None and base is not None else "-"
+            )
+            parts.append(
+                f"{server[:-2]} {per_step}, {1e3 * (mine - theirs) / requests:+.3f} ms/req"
+            )
+        lines.append(f"  {report.setup}: " + "; ".join(parts))
+    if lines:
+        lines.insert(0, "above the floor (each setup less null's, whose hooks return at once):")
+    return lines
+
+
 def hook_rows(reports: list[compare.SetupReport], requests: int) -> list[list[str]]:
     rows = []
     for report in reports:
@@ -355,17 +397,12 @@ def hook_rows(reports: list[compare.SetupReport], requests: int) -> list[list[st
         cells = [report.setup, report.status]
         for server in ("decode-0", "prefill-0"):
             ledger = report.hooks.get(server, {})
-            worker_s, _ = hook_totals(ledger, "worker")
-            sched_s, _ = hook_totals(ledger, "scheduler")
-            steps = ledger.get("worker", {}).get("calls", {}).get("start_load_kv", 0)
-            cells.append(f"{1e3 * (worker_s + sched_s) / requests:.3f}")
-            cells.append(f"{1e6 * worker_s / steps:.1f}" if steps else "-")
+            step = per_step_us(report, server)
+            cells.append(f"{1e3 * all_hooks_s(ledger) / requests:.3f}")
+            cells.append(f"{step:.1f}" if step is not None else "-")
             median = timed.step_quantile(ledger.get("worker", {}).get("steps", {}), 0.5)
             cells.append(f"{1e6 * median:.0f}" if median is not None else "-")
-        first = sum(
-            sum(hook_totals(ledger, role)[0] for role in ("scheduler", "worker"))
-            for ledger in report.hooks_warm_up.values()
-        )
+        first = sum(all_hooks_s(ledger) for ledger in report.hooks_warm_up.values())
         cells.append(f"{1e3 * first:.3f}" if report.hooks_warm_up else "-")
         summary = compare.summarise(report.results)
         cells.append(compare.format_ms(summary.ttft_p50_s))
@@ -406,4 +443,6 @@ def run_hooks(args: argparse.Namespace) -> int:
         "warm-up ms: both servers' hooks during the warm-up request; "
         "TTFT/TPOT in ms at the client)"
     )
+    for line in above_floor(reports, requests):
+        print(line)
     return 0 if any(r.hooks for r in reports) else 1

@@ -55,7 +55,7 @@ WORKER_HOOKS = (
     "get_kv_connector_kv_cache_events",
     "build_connector_worker_meta",
 )
-_OWN = {"KvpushConnector": "kvpush.vllm"}
+_OWN = {"KvpushConnector": "kvpush.vllm", "NullConnector": "kvpush.bench.null"}
 STEP_START = "bind_connector_metadata"  # vLLM calls it first in every worker step
 _cache: dict[str, type] = {}
 

@@ -117,8 +117,13 @@ SETUPS: dict[str, ConnectorSetup] = {
             extra_config=(("mode", "pull"),),
             first_token="prefill",
         ),
+        # Moves nothing (kvpush.bench.null): decode computes every prompt itself. The floor
+        # under `kvpush bench hooks`, what vLLM's loop pays for calling any connector.
+        ConnectorSetup("null", "pull", "NullConnector", module_path="kvpush.bench.null"),
     )
 }
+# The benchmark-only setup above; `kvpush up` does not offer it.
+NULL = "null"
 
 
 # The setups a demo or sweep runs unless told otherwise: each connector as shipped.

@@ -15,6 +15,7 @@ from kvpush.args import allow_dash_value, at_least, port_number, positive
 from kvpush.testbed.hosts import Hosts, HostsError
 from kvpush.testbed.pinning import NO_PIN_HELP, check_confined, confined
 from kvpush.testbed.topology import (
+    NULL,
     SETUPS,
     Parallel,
     StartupError,
@@ -72,7 +73,7 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--connector", choices=list(SETUPS), required=True)
+    parser.add_argument("--connector", choices=[s for s in SETUPS if s != NULL], required=True)
     parser.add_argument("--model", type=Path, required=True, help="model directory")
     parser.add_argument(
         "--prefill", type=at_least(1), default=1, help="prefill servers (default 1)"

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvpush.bench import timed
-from kvpush.bench.cli import hook_rows, hook_totals
+from kvpush.bench.cli import above_floor, hook_rows, hook_totals
 from kvpush.bench.compare import RequestResult, SetupReport
+from kvpush.bench.null import NULL_PARAMS, NullConnector
+from kvpush.proxy.rewrite import Backend, pull_decode_params
+from kvpush.testbed.topology import NULL
 
 
 class FakeConnector:
@@ -122,3 +127,40 @@ def test_the_worker_ledger_keeps_the_distribution_of_per_step_totals() -> None:
     scheduler = timed.HookLedger("scheduler")
     scheduler.record("build_connector_meta", 1e-6)
     assert scheduler.steps == {}
+
+
+def test_each_setup_is_also_read_against_the_null_floor() -> None:
+    def ledger(worker_s: float, steps: int, sched_s: float) -> dict[str, Any]:
+        return {
+            "worker": {
+                "seconds": {"start_load_kv": worker_s},
+                "calls": {"start_load_kv": steps},
+            },
+            "scheduler": {"seconds": {"build_connector_meta": sched_s}, "calls": {}},
+        }
+
+    floor = SetupReport(NULL, "ok")
+    floor.hooks = {"decode-0": ledger(0.001, 100, 0.0), "prefill-0": ledger(0.002, 100, 0.0)}
+    push = SetupReport("kvpush-push", "ok")
+    push.hooks = {"decode-0": ledger(0.0015, 100, 0.001), "prefill-0": ledger(0.003, 50, 0.0)}
+    stalled = SetupReport("vllm-pull", "stalled")
+    lines = above_floor([floor, push, stalled], requests=10)
+    assert lines[0].startswith("above the floor")
+    # decode: 15 - 10 us/step, (2.5 - 1) ms / 10 requests; prefill: 60 - 20, (3 - 2) / 10
+    assert lines[1:] == [
+        "  kvpush-push: decode +5.0 us/step, +0.150 ms/req; prefill +40.0 us/step, +0.100 ms/req"
+    ]
+    assert above_floor([push], requests=10) == []  # no floor measured: nothing to subtract
+
+
+def test_the_null_connectors_hooks_return_at_once_and_hand_the_proxy_coordinates() -> None:
+    assert not inspect.isabstract(NullConnector)  # vLLM can build it: every hook it needs
+    connector = object.__new__(NullConnector)  # vLLM's config is not needed to call them
+    assert connector.get_num_new_matched_tokens(object(), 0) == (0, False)
+    assert connector.update_state_after_alloc(object(), object(), 0) is None
+    assert connector.start_load_kv(None) is None and connector.wait_for_save() is None
+    delay, params = connector.request_finished(object(), [1, 2])
+    assert delay is False and params == NULL_PARAMS and params is not NULL_PARAMS
+    # what `kvpush proxy --mode pull` takes from prefill's answer to send decode on
+    assert pull_decode_params({"kv_transfer_params": params}, Backend("http://p:1")) == params
+    assert timed.resolve("NullConnector") is NullConnector
