@@ -270,6 +270,15 @@ def kv_usage(url: str) -> float:
     return scrape.total(server_metrics(url), "vllm:kv_cache_usage_perc")
 
 
+def first_token_counts(proxy: str) -> dict[str, float]:
+    """The proxy's streamed requests by where their first token came from, and mismatches."""
+    text = scrape.scrape(proxy)
+    return {
+        source: scrape.total(text, "kvpush_proxy_first_token_total", source=source)
+        for source in ("prefill", "decode", "mismatch")
+    }
+
+
 def kv_idle_after(servers: Mapping[str, str], timeout: float) -> float:
     """Seconds until the KV usage of every server (name: URL) is back to zero; fails
     after `timeout` naming what each still holds."""

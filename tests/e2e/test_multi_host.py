@@ -65,8 +65,10 @@ from tests.e2e.conftest import (
     Reference,
     chat,
     completion,
+    first_token_counts,
     kv_idle_after,
     kvpush_proxy,
+    post_stream,
     server_metrics,
 )
 from tests.e2e.conftest import post as post_json
@@ -392,6 +394,33 @@ def test_what_crosses_names_the_hosts_addresses_never_loopback(pair: Pair) -> No
         f"HOSTS {pair.mode}: control frames name {a.address} and {b.address} only; "
         f"remote_host {sorted(n.decode() for n in named)}; prefill's control port listens on "
         f"{expected}:{CONTROL_PORT}; no {', '.join(x.decode() for x in LOOPBACK)} crossed"
+    )
+
+
+def test_a_streams_first_token_comes_from_prefill_across_hosts(pair: Pair) -> None:
+    """The proxy streams prefill's first token the moment prefill answers (push: the token
+    crossed decode's link on WriteDone; pull: in prefill's kv_transfer_params), and decode
+    continues from that very token: greedy, the stream equals a single server's answer;
+    sampled at temperature 1, where decode's own first token would differ, the proxy finds
+    decode's copy equal to prefill's every time. Each sampled prompt twice, the second time
+    a hit in decode's prefix cache (vLLM's default)."""
+
+    before = first_token_counts(pair.proxy)
+    at = len(pair.decode.log_text())
+    url = pair.proxy + "/v1/completions"
+    text = post_stream(url, completion(pair.model, PROMPTS[1]), REQUEST_TIMEOUT_S + 30)
+    assert text == pair.reference.completions[PROMPTS[1]]
+    for i in range(8):
+        body = {**completion(pair.model, fresh_prompt(f"sampled {i // 2}")), "temperature": 1.0}
+        assert post_stream(url, body, REQUEST_TIMEOUT_S + 30)
+    grown = {k: v - before[k] for k, v in first_token_counts(pair.proxy).items()}
+    assert grown["prefill"] + grown["decode"] == 9, grown
+    assert grown["prefill"] >= 4, grown
+    assert grown["mismatch"] == 0, grown
+    assert "no first token from prefill" not in pair.decode.log_text()[at:]
+    report(
+        f"HOSTS {pair.mode}: 9 streams through the proxy, first token from prefill "
+        f"{grown['prefill']:g}, from decode {grown['decode']:g}, mismatch 0"
     )
 
 

@@ -20,6 +20,7 @@ from tests.e2e.conftest import (
     Reference,
     chat,
     completion,
+    first_token_counts,
     kvpush_up,
     ports_free,
     post,
@@ -83,18 +84,11 @@ def test_a_sampled_stream_continues_from_the_first_token_it_showed(
     if not deployment.setup.startswith("kvpush"):
         pytest.skip("vLLM's connectors: the first token comes from decode")
 
-    def counts() -> dict[str, float]:
-        text = scrape.scrape(deployment.proxy)
-        return {
-            s: scrape.total(text, "kvpush_proxy_first_token_total", source=s)
-            for s in ("prefill", "decode", "mismatch")
-        }
-
-    before = counts()
+    before = first_token_counts(deployment.proxy)
     for i in range(8):
         body = {**completion(tiny_model, f"sample {i // 2}: {PROMPTS[2]}"), "temperature": 1.0}
         assert deployment.ask(post_stream, "/v1/completions", body)
-    grown = {k: v - before[k] for k, v in counts().items()}
+    grown = {k: v - before[k] for k, v in first_token_counts(deployment.proxy).items()}
     assert grown["prefill"] + grown["decode"] == 8
     assert grown["prefill"] >= 4, grown
     assert grown["mismatch"] == 0, grown
