@@ -5,7 +5,9 @@ whatever they do. On a server whose model forward evicts the caches between two 
 even hooks that return at once cost microseconds per step (the calls, the timer's reads,
 the misses), and that cost belongs to vLLM's loop and the machine, not to a connector.
 `NullConnector` is that floor measured the same way as the others: every hook returns at
-once. What a real connector spends on the engine loop is its figure less this one's.
+once, and (as kvpush's) it tells vLLM it has no metadata, so vLLM skips the two calls per
+attention layer it would make around every forward. What a real connector spends on the
+engine loop is its figure less this one's.
 
 It is a benchmark setup (`null`), not a way to run P/D: prefill's `request_finished` hands
 back the minimal coordinates the proxy's pull mode expects, decode's connector loads
@@ -31,6 +33,9 @@ class NullConnector(KVConnectorBase_V1):
     """Every hook vLLM requires, each returning at once (see the module doc)."""
 
     # -- worker --
+    def has_connector_metadata(self) -> bool:
+        return False  # no per-layer wait_for_layer_load / save_kv_layer calls
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
 

@@ -159,6 +159,7 @@ def test_the_null_connectors_hooks_return_at_once_and_hand_the_proxy_coordinates
     assert connector.get_num_new_matched_tokens(object(), 0) == (0, False)
     assert connector.update_state_after_alloc(object(), object(), 0) is None
     assert connector.start_load_kv(None) is None and connector.wait_for_save() is None
+    assert connector.has_connector_metadata() is False  # vLLM skips its per-layer calls
     delay, params = connector.request_finished(object(), [1, 2])
     assert delay is False and params == NULL_PARAMS and params is not NULL_PARAMS
     # what `kvpush proxy --mode pull` takes from prefill's answer to send decode on
