@@ -117,6 +117,7 @@ from kvpush.plan.model import (
     check_positive_int,
     transfer_seconds,
 )
+from kvpush.proxy.first_token import SOURCES
 
 # The modes in the order the planner reports them: alphabetical, which puts pull, the
 # baseline, first.
@@ -132,9 +133,9 @@ PREFILL_MFU = 0.4
 PR45211_SUBMIT_MS = 14.7
 PR45211_PROMPT_TOKENS = 2048
 
-# Where a streamed answer's first token comes from: decode's first step (vLLM's proxies,
-# the articles) or prefill's answer (kvpush's proxy, `kvpush proxy --first-token prefill`).
-FIRST_TOKENS = ("decode", "prefill")
+# Where a streamed answer's first token comes from, as `kvpush proxy --first-token` takes
+# it: decode's first step (vLLM's proxies, the articles) or prefill's answer (kvpush's).
+FIRST_TOKENS = tuple(sorted(SOURCES))
 
 PUBLISHED_TTFT_MS = {("pull", 8.0, 16384): 1744.0, ("push", 8.0, 16384): 540.0}
 """The articles' mean TTFT at 8 QPS, 16k input (read off their chart, hence '~')."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvpush.args import at_least, non_negative, port_number, positive
 from kvpush.core.protocol import MODES
-from kvpush.proxy import bench
+from kvpush.proxy import bench, first_token
 from kvpush.proxy.balance import POLICIES, check_policy
 from kvpush.proxy.rewrite import parse_backend
 
@@ -207,7 +207,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--first-token",
-        choices=("prefill", "decode"),
+        choices=first_token.SOURCES,
         default="prefill",
         help="where a streamed answer's first token comes from. prefill (default): sent the "
         "moment prefill answers, decode then made to continue from that very token (kvpush's "

@@ -68,6 +68,9 @@ class ConnectorSetup:
         return config
 
 
+# The benchmark-only setup below; `kvpush up` does not offer it.
+NULL = "null"
+
 SETUPS: dict[str, ConnectorSetup] = {
     s.name: s
     for s in (
@@ -119,11 +122,9 @@ SETUPS: dict[str, ConnectorSetup] = {
         ),
         # Moves nothing (kvpush.bench.null): decode computes every prompt itself. The floor
         # under `kvpush bench hooks`, what vLLM's loop pays for calling any connector.
-        ConnectorSetup("null", "pull", "NullConnector", module_path="kvpush.bench.null"),
+        ConnectorSetup(NULL, "pull", "NullConnector", module_path="kvpush.bench.null"),
     )
 }
-# The benchmark-only setup above; `kvpush up` does not offer it.
-NULL = "null"
 
 
 # The setups a demo or sweep runs unless told otherwise: each connector as shipped.
