@@ -34,6 +34,7 @@ from kvpush.args import (
     positive_numbers,
 )
 from kvpush.bench import compare, plot, results, soak, sweep, timed, turns
+from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.report import format_table
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.pinning import NO_PIN_HELP
@@ -250,6 +251,15 @@ def add_sweep_arguments(
         "they run (from the hook timer, which --trace turns on), when each streamed chunk "
         "reached the client, and every thread's CPU affinity (docs/benchmarks.md)",
     )
+    parser.add_argument(
+        "--first-token",
+        choices=FIRST_TOKEN_SOURCES,
+        default=None,
+        help="where the proxy takes a streamed answer's first token from (kvpush proxy "
+        "--first-token; default: prefill with kvpush's connector, decode with vLLM's, which "
+        "cannot reproduce prefill's token). `decode` runs kvpush in vLLM's order, as the "
+        "articles measured; recorded in each result file",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the plot and table at the end")
 
 
@@ -283,6 +293,7 @@ def sweep_spec(args: argparse.Namespace) -> sweep.SweepSpec:
         run_timeout=args.run_timeout,
         retry_failed=args.retry_failed,
         trace=args.trace,
+        first_token=args.first_token,
     )
 
 

@@ -37,12 +37,12 @@ from kvpush.bench.results import Point
 from kvpush.testbed import scrape
 from kvpush.testbed.pinning import OWN_GROUP, confined, pin_preexec
 from kvpush.testbed.topology import (
-    SETUPS,
     PairSettings,
     StartupError,
     StartupProgress,
     Topology,
     check_setups,
+    first_token_of,
 )
 from kvpush.testbed.topology_proxy import local_url, start_topology_proxy, warm_up
 
@@ -77,9 +77,13 @@ class SweepSpec:
     retry_failed: bool = False
     # Write OUT/trace/<run>.json per run (kvpush.bench.trace); runs the hook timer
     trace: bool = False
+    # Where the proxy takes a streamed answer's first token from (None: each setup's own)
+    first_token: str | None = None
 
     def __post_init__(self) -> None:
         check_setups(self.setups)
+        for setup in self.setups:
+            first_token_of(setup, self.first_token)  # a ValueError before anything starts
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError("--rates: give one or more request rates > 0 (requests/s)")
         if not self.input_lens or any(n < 1 for n in self.input_lens):
@@ -178,18 +182,29 @@ class Direct:
         return None
 
 
-def front(topology: Topology, port: int, request_timeout: float) -> ProxyThread | Direct:
-    """Where a run's load is sent: the proxy in front of a pair, or the single server."""
+def front(
+    topology: Topology, port: int, request_timeout: float, first_token: str | None = None
+) -> ProxyThread | Direct:
+    """Where a run's load is sent: the proxy in front of a pair (`first_token`: where it
+    takes a streamed answer's first token from, None: the setup's own), or the single
+    server."""
     if topology.config.setup is None:
         return Direct(topology)
-    return ProxyThread(topology, port, request_timeout)
+    return ProxyThread(topology, port, request_timeout, first_token)
 
 
 class ProxyThread:
     """Our proxy on its own event loop, for the duration of one group of runs."""
 
-    def __init__(self, topology: Topology, port: int, request_timeout: float) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        port: int,
+        request_timeout: float,
+        first_token: str | None = None,
+    ) -> None:
         self.topology, self.port, self.request_timeout = topology, port, request_timeout
+        self.first_token = first_token_of(topology.config.setup or "", first_token)
         # The proxy's own log (failed requests, ejections) goes next to the servers' logs,
         # not into the sweep's progress output.
         self.log_path = topology.config.workdir / "logs" / "proxy.log"
@@ -261,6 +276,7 @@ class ProxyThread:
                 # silent for over a minute (or refusing connections) is ejected here.
                 health_timeout=10.0,
                 eject_after=10,
+                first_token=self.first_token,
             )
             self.runner = self.loop.run_until_complete(starting)
         except Exception as exc:  # reported by __enter__, in the sweep's own thread
@@ -499,7 +515,7 @@ def record_head(spec: SweepSpec, point: Point, topology: Topology) -> dict[str, 
         # which cores each server ran on, and whether its whole process tree was held there
         "pinning": topology.pinning(),
         # where the proxy took a streamed answer's first token from (None: no proxy)
-        "first_token": SETUPS[point.setup].first_token if point.setup in SETUPS else None,
+        "first_token": first_token_of(point.setup, spec.first_token),
     }
 
 
@@ -639,7 +655,7 @@ def run_group(
             topology.start()
             took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))
             say(f"  [{setup}] servers healthy after {took:.0f} s")
-            with front(topology, pair.port, spec.request_timeout) as proxy:
+            with front(topology, pair.port, spec.request_timeout, spec.first_token) as proxy:
                 error = asyncio.run(warm_up(proxy.url, str(pair.model)))
                 if error:
                     reason = f"warm-up through the proxy failed: {error}"

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.proxy.rewrite import Backend
 from kvpush.testbed.hosts import UCX_ENV, Host
 from kvpush.testbed.pinning import OWN_GROUP, CorePlan, parse_cpu_list, pin_preexec, plan_cores
@@ -146,6 +147,29 @@ def check_setups(names: Sequence[str]) -> None:
             f"--setups: unknown setup {', '.join(unknown) or '(none)'}; "
             f"choose from {', '.join(BENCH_SETUPS)}"
         )
+
+
+def first_token_of(name: str, asked: str | None = None) -> str | None:
+    """Where the proxy takes a streamed answer's first token from for setup `name` (None:
+    no proxy, `single`): `asked` (a `--first-token` value) or the setup's own. Prefill only
+    for a setup whose decode reproduces prefill's token (kvpush's connector); a ValueError,
+    worded for --first-token, otherwise."""
+    if name not in SETUPS:
+        return None
+    own = SETUPS[name].first_token
+    if asked is None or asked == own:
+        return own
+    if asked not in FIRST_TOKEN_SOURCES:
+        raise ValueError(
+            f"--first-token: choose {' or '.join(FIRST_TOKEN_SOURCES)} (got {asked!r})"
+        )
+    if asked == "prefill":
+        raise ValueError(
+            f"--first-token prefill: setup {name}'s decode cannot reproduce prefill's token "
+            "(only kvpush's connector pins decode's first step to it); every answer would "
+            "count as a mismatch. Leave --first-token out, or drop that setup"
+        )
+    return asked
 
 
 def resolve_setup(name: str) -> ConnectorSetup:

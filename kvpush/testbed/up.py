@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.args import allow_dash_value, at_least, port_number, positive
+from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.testbed.hosts import Hosts, HostsError
 from kvpush.testbed.pinning import NO_PIN_HELP, check_confined, confined
 from kvpush.testbed.topology import (
@@ -22,6 +23,7 @@ from kvpush.testbed.topology import (
     StartupProgress,
     Topology,
     TopologyConfig,
+    first_token_of,
     format_cores,
 )
 from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy, warm_up
@@ -154,7 +156,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--no-pin", dest="pin", action="store_false", help=NO_PIN_HELP)
     parser.add_argument(
         "--first-token",
-        choices=("prefill", "decode"),
+        choices=FIRST_TOKEN_SOURCES,
         default=None,
         help="where the proxy takes a streamed answer's first token from (kvpush proxy "
         "--first-token; default: prefill with kvpush's connector, decode with vLLM's)",
@@ -198,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=args.workdir,
             pin=args.pin,
         )
+        first_token_of(args.connector, args.first_token)  # before anything starts
     except ValueError as exc:
         print(f"kvpush up: {exc}", file=sys.stderr)
         return 2

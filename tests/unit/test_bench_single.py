@@ -8,12 +8,13 @@ import pytest
 
 from kvpush.bench import compare, plot, sweep
 from kvpush.bench.compare import LoadSpec
-from kvpush.bench.results import Aggregate
-from kvpush.cli import build_parser
+from kvpush.bench.results import Aggregate, Point
+from kvpush.cli import build_parser, main
 from kvpush.plan.measure import MeasureSpec
 from kvpush.plan.model import PlannerError
 from kvpush.proxy.stub import StubBackend, StubBehaviour, serve_stub
-from kvpush.testbed.topology import SINGLE, PairSettings, Topology, check_setups
+from kvpush.testbed.topology import SINGLE, PairSettings, Topology, check_setups, first_token_of
+from tests.node_kv import free_port
 
 
 def pair(tmp_path: Path, port: int = 9000) -> PairSettings:
@@ -94,3 +95,58 @@ def test_the_table_keeps_ratios_to_vllm_and_adds_a_column_against_single() -> No
     fig = plot.figure(rows)
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert SINGLE in labels
+
+
+def test_kvpush_can_be_measured_with_its_first_token_from_decode(tmp_path: Path) -> None:
+    """`--first-token decode` runs kvpush's setups in vLLM's order (the articles'); prefill
+    is refused for a setup whose decode cannot reproduce prefill's token, before anything
+    starts; each result file records where the first token came from."""
+    assert first_token_of("kvpush-push") == first_token_of("kvpush-pull") == "prefill"
+    assert first_token_of("kvpush-push", "decode") == "decode"
+    assert first_token_of("vllm-pull") == first_token_of("vllm-pull", "decode") == "decode"
+    assert first_token_of(SINGLE, "decode") is None  # no proxy
+    with pytest.raises(ValueError, match="vllm-pull's decode cannot reproduce"):
+        first_token_of("vllm-pull", "prefill")
+    settings = pair(tmp_path)
+    with pytest.raises(ValueError, match="--first-token prefill: setup vllm-pull-nospin"):
+        sweep.SweepSpec(
+            ["kvpush-push", "vllm-pull-nospin"], [1.0], [256], 8, 4, 1, tmp_path, settings,
+            first_token="prefill",
+        )  # fmt: skip
+    spec = sweep.SweepSpec(
+        ["kvpush-push", "vllm-pull", SINGLE], [1.0], [256], 8, 4, 1, tmp_path, settings,
+        first_token="decode",
+    )  # fmt: skip
+    heads = {}
+    for setup in spec.setups:
+        topology = Topology(settings.topology(setup, "sweep"), cores=[0, 1])
+        heads[setup] = sweep.record_head(spec, Point(1, setup, 256, 1.0, 8), topology)
+    assert {s: h["first_token"] for s, h in heads.items()} == {
+        "kvpush-push": "decode",
+        "vllm-pull": "decode",
+        SINGLE: None,
+    }
+    default = sweep.SweepSpec(["kvpush-push"], [1.0], [256], 8, 4, 1, tmp_path, settings)
+    topology = Topology(settings.topology("kvpush-push", "sweep"), cores=[0, 1])
+    point = Point(1, "kvpush-push", 256, 1.0, 8)
+    assert sweep.record_head(default, point, topology)["first_token"] == "prefill"
+    # the proxy the sweep starts takes it from where it was told
+    for asked, used in ((None, "prefill"), ("decode", "decode")):
+        with sweep.front(topology, free_port(), 30.0, asked) as proxy:
+            assert isinstance(proxy, sweep.ProxyThread)
+            assert proxy._proxy().config.first_token == used
+
+
+def test_first_token_from_prefill_for_vllms_connector_is_refused_on_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    argv = ["bench", "sweep", "--setups", "kvpush-push,vllm-pull", "--first-token", "prefill"]
+    assert main([*argv, "--model", str(tmp_path), "--out", str(out), "--no-plot"]) == 2
+    assert "setup vllm-pull's decode cannot reproduce prefill's token" in capsys.readouterr().err
+    assert not list(out.glob("*.json"))  # nothing ran
+    up = ["up", "--connector", "vllm-pull", "--first-token", "prefill", "--model", str(tmp_path)]
+    assert main([*up, "--workdir", str(tmp_path / "w")]) == 2
+    assert "Leave --first-token out" in capsys.readouterr().err
+    assert build_parser().parse_args(["bench", "sweep"]).first_token is None
