@@ -48,7 +48,11 @@ DEVICE = "eth0"  # the inner veth end, in every namespace
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": DEVICE}
 _LOCK = Path("/run/lock/kvpush-hosts.lock")
 _NAME = re.compile(rf"^{PREFIX}([0-9a-z]+)-h\d+$")
-_LINK = re.compile(r"^kvp[bvi]([0-9a-z]+?)(h\d+)?$")
+# Our links: the bridge kvpb<run> and the veth ends kvpv<run>h<i>, kvpi<run>h<i>. A run id
+# may itself hold "h" and digits ("eh25"), so a bridge's name is all run id, and a veth's
+# host suffix is the last "h<digits>" (the greedy run id leaves exactly that).
+_BRIDGE = re.compile(r"^kvpb([0-9a-z]+)$")
+_VETH = re.compile(r"^kvp[vi]([0-9a-z]+)h\d+$")
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 _made = 0  # Hosts created by this process so far
 
@@ -185,11 +189,17 @@ def remove_stale() -> list[str]:
             _ip("netns", "del", name, check=False)
             removed.append(name)
     for link in Path("/sys/class/net").iterdir():
-        match = _LINK.match(link.name)
-        if match and not _alive(_owner(match.group(1))):
+        token = link_run(link.name)
+        if token is not None and not _alive(_owner(token)):
             _ip("link", "del", link.name, check=False)
             removed.append(link.name)
     return removed
+
+
+def link_run(name: str) -> str | None:
+    """The run id in the name of one of our links (bridge or veth end); None for others."""
+    match = _BRIDGE.match(name) or _VETH.match(name)
+    return match.group(1) if match else None
 
 
 def _free_subnet() -> ipaddress.IPv4Network:

@@ -177,3 +177,18 @@ def test_what_a_dead_run_left_is_removed_and_a_live_runs_is_kept() -> None:
 
 def netns_list() -> list[str]:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
+def test_a_runs_links_are_read_back_to_its_run_whatever_its_id_holds() -> None:
+    """A run id is the creator's pid in base 36 and a count: pid 18758 is "eh2", its sixth
+    run "eh25". Its bridge kvpbeh25 once read as run "e" of host "h25", whose owner (pid
+    0) is never alive, so a live run's bridge was deleted as stale (CI, 2026-12-02)."""
+    for pid in (18758, 1, 35, 36, 4_194_303):
+        for count in "05hz":
+            run = netns._base36(pid) + count
+            names = (f"kvpb{run}", f"kvpv{run}h0", f"kvpi{run}h12")
+            assert [netns.link_run(n) for n in names] == [run] * 3
+            assert netns._owner(run) == pid
+    assert netns.link_run("kvpbeh25") == "eh25"
+    for other in ("eth0", "kvpx12", "kvpb", "kvpv12", "docker0", "kvpbEH2"):
+        assert netns.link_run(other) is None
