@@ -41,6 +41,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpush.testbed.ipc import process_alive
+
 NETWORK = ipaddress.ip_network("198.18.0.0/15")
 PREFIX = "kvpush-"
 DEVICE = "eth0"  # the inner veth end, in every namespace
@@ -184,13 +186,13 @@ def remove_stale() -> list[str]:
     listed = _ip("netns", "list", check=False).stdout.split()
     for name in listed:
         match = _NAME.match(name)
-        if match and not _alive(_owner(match.group(1))):
+        if match and not process_alive(_owner(match.group(1))):
             _end_processes(name)
             _ip("netns", "del", name, check=False)
             removed.append(name)
     for link in Path("/sys/class/net").iterdir():
         token = link_run(link.name)
-        if token is not None and not _alive(_owner(token)):
+        if token is not None and not process_alive(_owner(token)):
             _ip("link", "del", link.name, check=False)
             removed.append(link.name)
     return removed
@@ -248,18 +250,6 @@ def _base36(number: int) -> str:
 def _owner(token: str) -> int:
     """The process id in a run token (its last character is the count)."""
     return int(token[:-1], 36) if len(token) > 1 else 0
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +34,7 @@ from typing import Any
 
 from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.proxy.rewrite import Backend
+from kvpush.testbed import ipc
 from kvpush.testbed.hosts import UCX_ENV, Host
 from kvpush.testbed.pinning import OWN_GROUP, CorePlan, parse_cpu_list, pin_preexec, plan_cores
 
@@ -568,6 +570,8 @@ class Topology:
         self.cores = core_plan(config, cores)
         self.specs = build_specs(config, cores, hosts)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # Each running server's VLLM_RPC_BASE_PATH (kvpush.testbed.ipc), removed at stop
+        self.rpc_dirs: dict[str, Path] = {}
 
     @property
     def client_cores(self) -> list[int] | None:
@@ -620,6 +624,7 @@ class Topology:
                 )
                 + "; stop what holds them or choose another --port / --kv-port"
             )
+        ipc.remove_stale()
         for spec in self.specs:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             if "KVPUSH_HOOK_DIR" in spec.env:
@@ -631,12 +636,13 @@ class Topology:
                 pinned = f"(on cores {format_cores(spec.cores)}) " if spec.pinned else ""
                 log.write(f"$ {pinned}{shlex.join(spec.argv)}\n".encode())
                 log.flush()
+                rpc = self.rpc_dirs[spec.name] = ipc.make_rpc_dir()
                 self.procs[spec.name] = subprocess.Popen(
                     spec.argv,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env={**os.environ, **spec.env},
+                    env={**os.environ, "VLLM_RPC_BASE_PATH": str(rpc), **spec.env},
                     **OWN_GROUP,
                     preexec_fn=pin_preexec(spec.cores) if spec.pinned else None,
                 )
@@ -686,11 +692,26 @@ class Topology:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
         self.procs.clear()
+        for rpc in self.rpc_dirs.values():
+            shutil.rmtree(rpc, ignore_errors=True)
+        self.rpc_dirs.clear()
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and any(
             port_in_use(s.port, s.address) for s in self.specs
         ):
             time.sleep(0.1)
+
+    def adopt(self, other: Topology) -> None:
+        """Take over the running servers of `other` (e.g. one server started again on its
+        own), so that this topology's stop stops them and removes what they leave."""
+        self.procs.update(other.procs)
+        for name, rpc in other.rpc_dirs.items():
+            old = self.rpc_dirs.get(name)
+            if old is not None and old != rpc:
+                shutil.rmtree(old, ignore_errors=True)  # the stopped server's
+            self.rpc_dirs[name] = rpc
+        other.procs.clear()
+        other.rpc_dirs.clear()
 
     def proxy_backends(self) -> tuple[list[Backend], list[Backend]]:
         return [s.backend() for s in self.prefill], [s.backend() for s in self.decode]

@@ -251,8 +251,7 @@ def restart(d: Deployment, spec: ServerSpec) -> float:
     again.specs = [dataclasses.replace(spec, log_path=spec.log_path.with_suffix(".restart.log"))]
     started = time.monotonic()
     again.start()
-    d.topology.procs[spec.name] = again.procs[spec.name]
-    again.procs.clear()
+    d.topology.adopt(again)
     d.topology.wait_healthy(timeout=400)
     return time.monotonic() - started
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.testbed import scrape
+from kvpush.testbed import ipc, scrape
 from tests.e2e.conftest import (
     BASE_PORT,
     KV_PORT,
@@ -150,9 +150,16 @@ def test_kvpush_reports_transfers_and_frees_prefill_blocks(
 
 
 def test_sigterm_stops_everything_and_frees_every_port(deployment: Deployment) -> None:
+    # vLLM's IPC sockets are in one directory per server, not loose in the temp dir...
+    rpc = sorted(ipc.base_dir().glob(f"{ipc.PREFIX}{deployment.proc.pid}-*"))
+    assert len(rpc) == 2, rpc
+    for path in rpc:
+        assert any(p.is_socket() for p in path.iterdir()), f"no vLLM socket in {path}"
     assert deployment.stop() == 0, "\n".join(deployment.output[-30:])
     assert "all servers stopped" in deployment.output
     assert ports_free(deployment.ports), f"ports still bound: {deployment.ports}"
+    # ...and the stop removed them with the files libzmq leaves behind.
+    assert not any(path.exists() for path in rpc), rpc
 
 
 def test_a_server_that_fails_to_start_is_reported_and_the_rest_torn_down(
