@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,7 +56,7 @@ import kvpush
 from kvpush.plan.model_config import read_model
 from kvpush.proxy.rewrite import Backend, format_backend
 from kvpush.testbed import hosts as netns
-from kvpush.testbed import scrape
+from kvpush.testbed import ipc, scrape
 from kvpush.testbed.pinning import OWN_GROUP
 from kvpush.testbed.topology import http_ok, log_tail
 from kvpush.testbed.topology_proxy import warm_up
@@ -95,6 +96,7 @@ class Server:
     port: int
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    rpc: Path | None = None  # its VLLM_RPC_BASE_PATH (kvpush.testbed.ipc), removed at stop
 
     @property
     def url(self) -> str:
@@ -173,6 +175,7 @@ def start_server(server: Server, model: Path, mode: str, core: int, workdir: Pat
     argv += ["--host", server.host.address, "--port", str(server.port)]
     argv += ["--enforce-eager", "--max-num-seqs", "8", "--disable-uvicorn-access-log"]
     argv += ["--kv-transfer-config", json.dumps(transfer_config(mode, role, server.host))]
+    server.rpc = ipc.make_rpc_dir()
     with open(server.log, "wb") as log:
         log.write(f"$ {' '.join(server.host.command(argv))}\n".encode())
         log.flush()
@@ -181,7 +184,7 @@ def start_server(server: Server, model: Path, mode: str, core: int, workdir: Pat
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(core, workdir),
+            env={**server_env(core, workdir), "VLLM_RPC_BASE_PATH": str(server.rpc)},
             **OWN_GROUP,
         )
 
@@ -197,6 +200,9 @@ def stop_server(server: Server) -> None:
             proc.wait(timeout=wait)
             break
     server.proc = None
+    if server.rpc is not None:
+        shutil.rmtree(server.rpc, ignore_errors=True)
+        server.rpc = None
 
 
 def wait_healthy(servers: list[Server], timeout: float = 400.0) -> None:
