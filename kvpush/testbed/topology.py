@@ -706,9 +706,9 @@ class Topology:
         own), so that this topology's stop stops them and removes what they leave."""
         self.procs.update(other.procs)
         for name, rpc in other.rpc_dirs.items():
-            old = self.rpc_dirs.get(name)
-            if old is not None and old != rpc:
-                shutil.rmtree(old, ignore_errors=True)  # the stopped server's
+            old = self.rpc_dirs.pop(name, None)  # the stopped server's, if it was ours
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             self.rpc_dirs[name] = rpc
         other.procs.clear()
         other.rpc_dirs.clear()
