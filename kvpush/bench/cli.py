@@ -66,6 +66,17 @@ def register(subparsers: Any) -> None:
     )
     # single has no hooks to time; null is the floor the others are read against
     compare.add_arguments(hooks, (NULL, *MAIN_SETUPS), tuple(SETUPS))
+    hooks.add_argument(
+        "--worker-alone",
+        choices=("prefill", "decode"),
+        default="",
+        help="give that server's model worker a core to itself and move its API server, "
+        "engine core and every connector thread to the other cores (with the other server "
+        "and the client), as vLLM's CPU backend reserves cores for them next to the "
+        "worker's; the same for every setup. Measures that server's hooks without vLLM's "
+        "engine core polling on the worker's core; the other server's figures are then "
+        "not as separate hosts would run. Needs 2 cores or more and pinning",
+    )
     hooks.set_defaults(func=run_hooks)
     comparer = tools.add_parser(
         "compare",

@@ -44,6 +44,7 @@ from kvpush.testbed.topology import (
     check_setups,
     hook_dir,
     resolve_setup,
+    worker_alone_cores,
 )
 from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy, warm_up
 
@@ -226,6 +227,7 @@ def pair_settings(model: Path, args: argparse.Namespace) -> PairSettings:
         kv_port=args.kv_port,
         startup_timeout=args.startup_timeout,
         pin=args.pin,
+        worker_alone=getattr(args, "worker_alone", ""),
     )
 
 
@@ -474,7 +476,7 @@ def run_setup(
     try:
         topology.start()
         took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))
-        print(f"  [{setup}] servers healthy after {took:.0f} s", flush=True)
+        print(f"  [{setup}] servers healthy after {took:.0f} s{topology.moved_back_note()}")
 
         def ledgers() -> dict[str, dict[str, Any]]:
             time.sleep(1.0)  # the ledgers are written every half second
@@ -483,6 +485,8 @@ def run_setup(
         warmed: dict[str, dict[str, Any]] = {}
 
         def after_warm_up() -> None:
+            if config.worker_alone:  # the first contact may have started threads
+                isolate(topology, setup, "after the warm-up")
             warmed.update(ledgers())
 
         with confined(topology.client_cores):
@@ -497,6 +501,8 @@ def run_setup(
                 )
             )
         report.startup_s = took
+        if config.worker_alone:
+            isolate(topology, setup, "after the load")
         if config.timed_hooks:  # not for single, which has no connector
             total = ledgers()
             report.hooks_warm_up = warmed
@@ -512,6 +518,16 @@ def run_setup(
     finally:
         topology.stop()
         print(f"  [{setup}] servers stopped", flush=True)
+
+
+def isolate(topology: Topology, setup: str, when: str) -> None:
+    """Move whatever of the server with a worker alone on its core runs on that core aside
+    (threads started since the last time), and say how many did."""
+    try:
+        moved = topology.confine()
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+    print(f"  [{setup}] {moved} threads moved off the lone worker's core {when}", flush=True)
 
 
 def _startup_failure(topology: Topology, exc: StartupError) -> str:
@@ -684,6 +700,10 @@ def run_all(
             request_timeout=args.request_timeout,
             seed=args.seed,
         )
+        if getattr(args, "worker_alone", ""):
+            if not args.pin:
+                raise ValueError("--worker-alone needs pinning: drop --no-pin")
+            worker_alone_cores(args.worker_alone)
     except ValueError as exc:
         print(f"{args.prog}: {exc}", file=sys.stderr)
         return 2

@@ -654,7 +654,7 @@ def run_group(
         try:
             topology.start()
             took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))
-            say(f"  [{setup}] servers healthy after {took:.0f} s")
+            say(f"  [{setup}] servers healthy after {took:.0f} s{topology.moved_back_note()}")
             with front(topology, pair.port, spec.request_timeout, spec.first_token) as proxy:
                 error = asyncio.run(warm_up(proxy.url, str(pair.model)))
                 if error:

@@ -415,7 +415,7 @@ def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
     try:
         topology.start()
         took = topology.wait_healthy(spec.pair.startup_timeout, StartupProgress(f"[{setup}] "))
-        say(f"  [{setup}] servers healthy after {took:.0f} s")
+        say(f"  [{setup}] servers healthy after {took:.0f} s{topology.moved_back_note()}")
         with confined(topology.client_cores):
             probe = asyncio.run(Prober(spec, topology, say).run(setup))
     except StartupError as exc:

@@ -215,3 +215,69 @@ def summary(threads: Sequence[ThreadAffinity]) -> dict[str, Any]:
         cores = set(entry.get("cores", ())) | t.cores
         entry["cores"] = sorted(cores)
     return {"processes": list(processes.values())}
+
+
+# -- after start-up: what vLLM moved ----------------------------------------------------
+
+
+def reconfine(root: int, cores: Sequence[int]) -> list[ThreadAffinity]:
+    """Put every thread below `root` that may run off `cores` back on them; returns those
+    (as they were). vLLM's NixlConnector, on the CPU backend, binds the thread that creates
+    it, the model worker's own, to the last core of each NUMA node: on a machine that
+    stands in for two hosts that is the other server's core, where separate hosts would
+    have kept it on its own (the threads it starts later inherit the binding put back)."""
+    allowed = frozenset(cores)
+    moved = []
+    for t in tree_affinity(root):
+        if not t.cores <= allowed:
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(t.tid, allowed)
+                moved.append(t)
+    return moved
+
+
+def describe_moved(moved: Sequence[ThreadAffinity]) -> list[str]:
+    """One line per process whose threads were moved: `VLLM::Worker 1234: 3 threads from 1`."""
+    per: dict[tuple[int, str], list[ThreadAffinity]] = {}
+    for t in moved:
+        per.setdefault((t.pid, t.process), []).append(t)
+    return [
+        f"{name} {pid}: {len(ts)} thread{'s' * (len(ts) != 1)} from cores "
+        + ",".join(str(c) for c in sorted(frozenset().union(*(t.cores for t in ts))))
+        for (pid, name), ts in per.items()
+    ]
+
+
+# -- a model worker with a core of its own --------------------------------------------------
+
+# vLLM's process titles: the model worker's process (multiprocess executor), else the engine
+# core process whose main thread runs the worker (in-process executor)
+WORKER_TITLES = ("VLLM::Worker", "VLLM::EngineCore")
+
+
+def isolate_worker(root: int, worker: Sequence[int], aside: Sequence[int]) -> int:
+    """Leave the model worker's thread of the server below `root` alone on `worker` and
+    move every other thread of that server (API server, engine core, the KV connector's
+    threads, those the worker started since) to `aside`. Returns how many threads moved.
+
+    The worker's thread is the main thread of the process vLLM titles `VLLM::Worker`, or,
+    with no such process (the in-process executor), of `VLLM::EngineCore`. ValueError if
+    there is neither (not a vLLM server, or not up)."""
+    threads = tree_affinity(root)
+    workers: set[int] = set()
+    for title in WORKER_TITLES:
+        workers = {t.tid for t in threads if t.tid == t.pid and t.process.startswith(title)}
+        if workers:
+            break
+    else:
+        raise ValueError(
+            f"no vLLM model worker (a process titled {' or '.join(WORKER_TITLES)}) below pid {root}"
+        )
+    moved = 0
+    for t in threads:
+        target = frozenset(worker if t.tid in workers else aside)
+        if t.cores != target:
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(t.tid, target)
+                moved += 1
+    return moved

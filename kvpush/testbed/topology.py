@@ -36,7 +36,16 @@ from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.proxy.rewrite import Backend
 from kvpush.testbed import ipc
 from kvpush.testbed.hosts import UCX_ENV, Host
-from kvpush.testbed.pinning import OWN_GROUP, CorePlan, parse_cpu_list, pin_preexec, plan_cores
+from kvpush.testbed.pinning import (
+    OWN_GROUP,
+    CorePlan,
+    describe_moved,
+    isolate_worker,
+    parse_cpu_list,
+    pin_preexec,
+    plan_cores,
+    reconfine,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +292,9 @@ class ServerSpec:
     pinned: bool = False  # the whole process tree confined to `cores`, not only the worker
     address: str = "127.0.0.1"  # its HTTP and control ports listen here
     netns: str = ""  # the network namespace it runs in ("": this one)
+    # With a worker alone on `cores` (TopologyConfig.worker_alone): where every other
+    # process and thread of the server runs (it starts on both; Topology.confine)
+    aside: list[int] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -292,6 +304,12 @@ class ServerSpec:
     def kv_ports(self) -> range:
         """The control (side-channel) ports of its workers: one per TP rank, per DP engine."""
         return range(self.kv_port, self.kv_port + self.parallel.ranks)
+
+    def confinement(self) -> str:
+        """What runs on `cores`, for logs and result files."""
+        if self.aside:
+            return f"model worker alone; every other thread on {format_cores(self.aside)}"
+        return "every process" if self.pinned else "model worker threads only"
 
     def backend(self) -> Backend:
         if self.role == "prefill":
@@ -335,6 +353,10 @@ class TopologyConfig:
     pin: bool = True
     # TP, DP and block size of the servers of a role ("prefill" or "decode"); default 1, 1
     parallel: dict[str, Parallel] = field(default_factory=dict)
+    # "prefill" or "decode": that server's model worker alone on its core, its API server,
+    # engine core and connector threads on the others (as vLLM's CPU backend reserves cores
+    # next to the worker's), with the other server and the client. Pinned 1P1D, TP 1 only.
+    worker_alone: str = ""
     # Authenticates kvpush's control messages; the same for every server of this topology,
     # restarted ones too (in their environment as KVPUSH_SECRET; extra_env may override).
     secret: str = field(default_factory=deployment_secret, repr=False)
@@ -361,6 +383,19 @@ class TopologyConfig:
             resolve_setup(setup)
         if self.kv_cache_gib <= 0 or self.max_num_seqs < 1:
             raise ValueError("--kv-cache-gib and --max-num-seqs must be positive")
+        if self.worker_alone:
+            self._check_worker_alone()
+
+    def _check_worker_alone(self) -> None:
+        role = self.worker_alone
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"worker_alone is 'prefill' or 'decode', not {role!r}")
+        if not self.pin:
+            raise ValueError("a worker alone on its core needs pinning: drop --no-pin")
+        if self.setup is None or (self.n_prefill, self.n_decode) != (1, 1):
+            raise ValueError("a worker alone on its core is for a 1P1D pair")
+        if self.parallel.get(role, Parallel()).ranks != 1:
+            raise ValueError(f"a worker alone on its core needs one {role} worker (TP 1, DP 1)")
 
 
 @dataclass(slots=True)
@@ -378,6 +413,7 @@ class PairSettings:
     startup_timeout: float = 300.0
     extra_env: dict[str, str] = field(default_factory=dict)
     pin: bool = True  # each server's processes on its own cores (False: --no-pin)
+    worker_alone: str = ""  # "prefill"/"decode": see TopologyConfig.worker_alone
 
     def topology(self, setup: str, label: str, timed_hooks: bool = False) -> TopologyConfig:
         """`setup`'s pair (for SINGLE, one plain server on the pair's cores), logs under
@@ -395,6 +431,7 @@ class PairSettings:
             timed_hooks=timed_hooks and setup != SINGLE,
             prefix_caching=self.prefix_caching,
             pin=self.pin,
+            worker_alone="" if setup == SINGLE else self.worker_alone,
             extra_env={
                 "VLLM_CACHE_ROOT": str((self.workdir / "vllm-cache").resolve()),
                 **self.extra_env,
@@ -502,11 +539,37 @@ def build_specs(
             name, role, port, kv_port, name, tree, argv, env, logs / f"{name}.log",
             parallel, config.pin,
         )  # fmt: skip
+        if role == config.worker_alone:
+            spec.aside = worker_aside(plan, share)
         if host is not None:
             spec.argv, spec.address, spec.netns = host.command(argv), address, host.netns
         specs.append(spec)
         kv_port += parallel.ranks  # each worker has its own control port
     return specs
+
+
+def worker_aside(plan: CorePlan, share: Sequence[int]) -> list[int]:
+    """Where a server whose worker has `share` alone runs everything else: the proxy's and
+    client's cores if they have their own, else the other servers' (ValueError if none)."""
+    aside = plan.rest if plan.rest_is_own else plan.server_cores
+    cores = sorted(set(aside) - set(share))
+    if len(share) != 1 or not cores:
+        raise ValueError(
+            f"a worker alone on its core needs one core for it and at least one other for "
+            f"the rest of its server; here the server would get {format_cores(share)} and "
+            f"no other core is left (give it 2 cores or more)"
+        )
+    return cores
+
+
+def worker_alone_cores(
+    role: str, cores: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
+    """For a pinned 1P1D pair on `cores` (default this process's): the core of the `role`
+    server's worker alone and those its other threads get; ValueError if there are none."""
+    plan = plan_cores(1, 1, sorted(cores if cores is not None else os.sched_getaffinity(0)))
+    share = plan.servers[0 if role == "prefill" else 1]
+    return list(share), worker_aside(plan, share)
 
 
 def hook_dir(config: TopologyConfig, server: str) -> Path:
@@ -572,12 +635,24 @@ class Topology:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         # Each running server's VLLM_RPC_BASE_PATH (kvpush.testbed.ipc), removed at stop
         self.rpc_dirs: dict[str, Path] = {}
+        # Per server, the threads `confine` put back on its cores (vLLM had moved them)
+        self.moved_back: dict[str, list[str]] = {}
 
     @property
     def client_cores(self) -> list[int] | None:
         """Where the proxy and the load generator run: the cores no server has, or None
-        (float over all cores) when there are none left or pinning is off."""
-        return list(self.cores.rest) if self.cores.rest_is_own else None
+        (float over all cores) when there are none left or pinning is off; with a worker
+        alone on its core, never that core."""
+        if self.cores.rest_is_own:
+            return list(self.cores.rest)
+        return next((list(s.aside) for s in self.specs if s.aside), None)
+
+    def moved_back_note(self) -> str:
+        """`; put back on their cores: ...` for a log line, or "" if `confine` moved nothing."""
+        parts = [f"{name}: {', '.join(lines)}" for name, lines in self.moved_back.items() if lines]
+        return (
+            f"; put back on their cores (vLLM had moved them): {'; '.join(parts)}" if parts else ""
+        )
 
     def pinning(self) -> dict[str, Any]:
         """The cores of each server and of the proxy and load generator, for a record."""
@@ -587,7 +662,12 @@ class Topology:
             "servers": {
                 s.name: {
                     "cores": format_cores(s.cores),
-                    "confined": "every process" if s.pinned else "model worker threads only",
+                    "confined": s.confinement(),
+                    **(
+                        {"moved_back": self.moved_back[s.name]}
+                        if self.moved_back.get(s.name)
+                        else {}
+                    ),
                 }
                 for s in self.specs
             },
@@ -634,6 +714,8 @@ class Topology:
                     stale.unlink()
             with open(spec.log_path, "wb") as log:
                 pinned = f"(on cores {format_cores(spec.cores)}) " if spec.pinned else ""
+                if spec.aside:
+                    pinned = f"(on cores {format_cores(spec.cores)}: {spec.confinement()}) "
                 log.write(f"$ {pinned}{shlex.join(spec.argv)}\n".encode())
                 log.flush()
                 rpc = self.rpc_dirs[spec.name] = ipc.make_rpc_dir()
@@ -644,8 +726,27 @@ class Topology:
                     stdin=subprocess.DEVNULL,
                     env={**os.environ, "VLLM_RPC_BASE_PATH": str(rpc), **spec.env},
                     **OWN_GROUP,
-                    preexec_fn=pin_preexec(spec.cores) if spec.pinned else None,
+                    preexec_fn=pin_preexec(spec.cores + spec.aside) if spec.pinned else None,
                 )
+
+    def confine(self) -> int:
+        """Hold each pinned server's threads to its cores again, once it is up: put back
+        what vLLM moved off them (see `reconfine`; recorded in `moved_back` and the
+        pinning record), and with a worker alone on its core, move every other thread of
+        that server aside (the new ones since the last call). Returns how many threads
+        moved; ValueError if a lone worker's server has no vLLM worker."""
+        moved = 0
+        for spec in self.specs:
+            proc = self.procs.get(spec.name)
+            if proc is None or proc.pid <= 1 or not spec.pinned:  # not started (or a test's)
+                continue
+            if spec.aside:
+                moved += isolate_worker(proc.pid, spec.cores, spec.aside)
+                continue
+            back = reconfine(proc.pid, spec.cores)
+            self.moved_back.setdefault(spec.name, []).extend(describe_moved(back))
+            moved += len(back)
+        return moved
 
     def wait_healthy(
         self, timeout: float = 600.0, progress: Callable[[float, list[str]], None] | None = None
@@ -669,6 +770,10 @@ class Topology:
                     + "; ".join(f"{n}\n{log_tail(s.log_path)}" for n, s in pending.items())
                 )
             time.sleep(0.5)
+        try:  # pinned: what vLLM moved off a server's cores goes back before any load
+            self.confine()
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
         return time.monotonic() - started
 
     def check_alive(self) -> None:

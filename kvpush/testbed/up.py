@@ -231,7 +231,8 @@ def _run(topology: Topology, args: argparse.Namespace) -> int:
         _print_plan(topology)
         topology.start()
         took = topology.wait_healthy(args.startup_timeout, StartupProgress("", every=5.0))
-        print(f"\nall {len(topology.specs)} servers healthy after {took:.0f} s", flush=True)
+        note = topology.moved_back_note()
+        print(f"\nall {len(topology.specs)} servers healthy after {took:.0f} s{note}", flush=True)
         if topology.config.pin:
             print(confinement(topology), flush=True)
         with confined(topology.client_cores):

@@ -47,6 +47,16 @@ def external_tokens(d: Deployment) -> float:
     return scrape.total(scrape.scrape(d.decode), EXTERNAL, source="external_kv_transfer")
 
 
+def test_every_server_runs_on_its_own_core(deployment: Deployment) -> None:
+    """As on separate hosts: vLLM's NixlConnector binds its worker's thread to the machine's
+    last core (the CPU backend's "reserved core for KV transfer"), here decode's; `kvpush
+    up` puts it back before any request, and says so."""
+    text = "\n".join(deployment.output)
+    assert "pinning read back from /proc:" in text and "NOT confined" not in text, text
+    moved = "(vLLM had moved them): prefill-0: VLLM::Worker" in text
+    assert moved == deployment.setup.startswith("vllm-"), text
+
+
 def test_completions_equal_single_server(
     deployment: Deployment, reference: Reference, tiny_model: Path
 ) -> None:
