@@ -49,7 +49,8 @@ setup on 2 cores."""
 CHECK_EPILOG = """\
 examples:
   kvpush plan check results/sweep --profile profile.json
-  kvpush plan check tests/data/plan/sweep-pinned --profile tests/data/plan/profile.json --plot c.png
+  kvpush plan check tests/data/plan/sweep-reference \\
+      --profile tests/data/plan/profile-reference.json --plot c.png
 
 error = (predicted - measured) / measured, of the p50 (for the measurement: the median
 over iterations of each ok run's p50; for the prediction: the median over --seeds arrival
