@@ -21,6 +21,7 @@ given as its excess over it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,20 @@ def register(subparsers: Any) -> None:
         "worker's; the same for every setup. Measures that server's hooks without vLLM's "
         "engine core polling on the worker's core; the other server's figures are then "
         "not as separate hosts would run. Needs 2 cores or more and pinning",
+    )
+    hooks.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="also read each hook's thread CPU time and print, per server, CPU ms per "
+        "request next to wall ms: their difference is time the hook waited (for the GIL "
+        "or for the core) rather than ran. Each reading is a system call, so the other "
+        "figures rise a little for every setup",
+    )
+    hooks.add_argument(
+        "--per-hook",
+        action="store_true",
+        help="also print, per setup and server, the hooks that took the most time: ms "
+        "per request, calls per request and us per call (with --cpu-time, CPU us per call)",
     )
     hooks.set_defaults(func=run_hooks)
     comparer = tools.add_parser(
@@ -367,6 +382,10 @@ def run_plot(args: argparse.Namespace) -> int:
     return show(args.dir, args.png or args.dir / "sweep.png", args.csv)
 
 
+ROLES = ("scheduler", "worker")
+CPU_COLUMNS = ("wall ms/req", "cpu ms/req", "waiting")
+
+
 def hook_totals(ledger: dict[str, Any], role: str) -> tuple[float, int]:
     """(seconds, calls) summed over every hook of one role ("scheduler" or "worker")."""
     part = ledger.get(role, {})
@@ -375,7 +394,7 @@ def hook_totals(ledger: dict[str, Any], role: str) -> tuple[float, int]:
 
 def all_hooks_s(ledger: dict[str, Any]) -> float:
     """Seconds of every hook of one server, scheduler and worker."""
-    return sum(hook_totals(ledger, role)[0] for role in ("scheduler", "worker"))
+    return sum(hook_totals(ledger, role)[0] for role in ROLES)
 
 
 def per_step_us(report: compare.SetupReport, server: str) -> float | None:
@@ -433,7 +452,68 @@ def hook_rows(reports: list[compare.SetupReport], requests: int) -> list[list[st
     return rows
 
 
+def cpu_rows(reports: list[compare.SetupReport], requests: int) -> list[list[str]]:
+    """Per setup and server: wall ms and thread CPU ms of its hooks per request, and the
+    share of the wall time the hooks spent waiting rather than running."""
+    rows = []
+    for report in reports:
+        if not report.hooks:
+            continue
+        cells = [report.setup]
+        for server in ("decode-0", "prefill-0"):
+            ledger = report.hooks.get(server, {})
+            wall = all_hooks_s(ledger)
+            cpu = sum(sum(ledger.get(role, {}).get("cpu", {}).values()) for role in ROLES)
+            cells += [
+                f"{1e3 * wall / requests:.3f}",
+                f"{1e3 * cpu / requests:.3f}",
+                # CPU time counts the clocks' own readings: a hook that never waited
+                # can show more CPU than wall time, which is no waiting
+                f"{100 * max(0.0, wall - cpu) / wall:.0f} %" if wall > 0 else "-",
+            ]
+        rows.append(cells)
+    return rows
+
+
+PER_HOOK_TOP = 6  # hooks listed per setup and server by --per-hook
+
+
+def per_hook_rows(
+    reports: list[compare.SetupReport], requests: int, top: int = PER_HOOK_TOP
+) -> list[list[str]]:
+    """The `top` hooks by time of each setup's servers (scheduler and worker side apart):
+    ms per request, calls per request, us per call and, where the CPU clock was read, CPU
+    us per call."""
+    rows = []
+    for report in reports:
+        for server in ("decode-0", "prefill-0"):
+            ledger = report.hooks.get(server, {})
+            found = [
+                (seconds, role, hook, ledger[role])
+                for role in ROLES
+                for hook, seconds in ledger.get(role, {}).get("seconds", {}).items()
+                if seconds > 0
+            ]
+            for seconds, role, hook, part in sorted(found, reverse=True)[:top]:
+                calls = part.get("calls", {}).get(hook, 0)
+                cpu = part.get("cpu", {}).get(hook)
+                rows.append(
+                    [
+                        report.setup,
+                        server[:-2],
+                        f"{role}.{hook}",
+                        f"{1e3 * seconds / requests:.3f}",
+                        f"{calls / requests:.1f}",
+                        f"{1e6 * seconds / calls:.1f}" if calls else "-",
+                        f"{1e6 * cpu / calls:.1f}" if cpu is not None and calls else "-",
+                    ]
+                )
+    return rows
+
+
 def run_hooks(args: argparse.Namespace) -> int:
+    if args.cpu_time:  # the servers inherit it: their hook timers read the CPU clock too
+        os.environ[timed.CPU_ENV] = "1"
     measured = compare.run_all(args, timed_hooks=True, label="bench-hooks")
     if isinstance(measured, int):
         return measured
@@ -467,4 +547,14 @@ def run_hooks(args: argparse.Namespace) -> int:
     )
     for line in above_floor(reports, requests):
         print(line)
+    if args.cpu_time:
+        cpu_header = ["setup"] + [
+            f"{server} {what}" for server in ("decode", "prefill") for what in CPU_COLUMNS
+        ]
+        print("\nthe same hooks' thread CPU time (ms per request) against their wall time:")
+        print(format_table(cpu_header, cpu_rows(reports, requests)))
+    if args.per_hook:
+        print(f"\nthe {PER_HOOK_TOP} costliest hooks of each server, over the load:")
+        header = ["setup", "server", "hook", "ms/req", "calls/req", "us/call", "cpu us/call"]
+        print(format_table(header, per_hook_rows(reports, requests)))
     return 0 if any(r.hooks for r in reports) else 1

@@ -4,7 +4,11 @@ Load it in place of the connector: the class name is "Timed" + the connector's n
 module is this one, for example
     "kv_connector": "TimedNixlConnector", "kv_connector_module_path": "kvpush.bench.timed"
 Every hook vLLM calls on its scheduler or worker main thread is wrapped with a timer
-(nested calls, e.g. get_transfer_results -> get_finished, count once). Totals are written
+(nested calls, e.g. get_transfer_results -> get_finished, count once). With
+KVPUSH_HOOK_CPU=1 in the server's environment it also reads the calling thread's CPU clock
+around each hook (`kvpush bench hooks --cpu-time`): wall time less CPU time is what the
+hook spent waiting (for the GIL, or off the core while another thread ran). Off by default:
+each reading is a system call, which the per-step figures would then include. Totals are written
 as JSON to $KVPUSH_HOOK_DIR/<role>-<pid>.json by a daemon thread every half second while
 they change, so a benchmark can read what each process spent without touching the
 connector's own metrics.
@@ -69,7 +73,8 @@ STEP_BUCKET_S = 1e-6
 STEP_BUCKET_GROWTH = 1.25
 STEP_BUCKETS = 72  # up to ~9 s
 _STEP_EDGES = [STEP_BUCKET_S * STEP_BUCKET_GROWTH**k for k in range(STEP_BUCKETS)]
-TABLES = ("seconds", "calls", "steps")
+TABLES = ("seconds", "calls", "steps", "cpu")
+CPU_ENV = "KVPUSH_HOOK_CPU"
 
 
 def step_bucket(seconds: float) -> int:
@@ -92,14 +97,17 @@ def step_quantile(steps: dict[str, int], q: float) -> float | None:
 
 
 class HookLedger:
-    """Per-process totals: seconds and calls per hook, and (worker) the distribution of
-    per-step totals; written out now and then."""
+    """Per-process totals: seconds and calls per hook, (worker) the distribution of
+    per-step totals, and with CPU_ENV set the thread CPU seconds per hook; written out
+    now and then."""
 
     def __init__(self, role: str) -> None:
         self.role = role
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.steps: dict[str, int] = {}  # step_bucket(total) -> steps
+        self.cpu: dict[str, float] = {}  # thread CPU seconds per hook (with CPU_ENV)
+        self.cpu_on = os.environ.get(CPU_ENV, "") not in ("", "0")
         self._step = -1.0  # this step's total so far (< 0: no step begun yet)
         self.depth = threading.local()
         self.lock = threading.Lock()
@@ -109,9 +117,11 @@ class HookLedger:
         if self.path is not None:
             threading.Thread(target=self._dump_loop, name="kvpush-hook-ledger", daemon=True).start()
 
-    def record(self, hook: str, seconds: float) -> None:
+    def record(self, hook: str, seconds: float, cpu: float | None = None) -> None:
         with self.lock:
             self.seconds[hook] = self.seconds.get(hook, 0.0) + seconds
+            if cpu is not None:
+                self.cpu[hook] = self.cpu.get(hook, 0.0) + cpu
             self.calls[hook] = self.calls.get(hook, 0) + 1
             if hook == STEP_START:  # a new step: the last one is complete
                 if self._step >= 0:
@@ -137,6 +147,7 @@ class HookLedger:
                 "seconds": self.seconds,
                 "calls": self.calls,
                 "steps": self.steps,
+                **({"cpu": self.cpu} if self.cpu_on else {}),
                 "at": time.monotonic(),  # for rates: one clock for every process
             }
             text = json.dumps(payload)
@@ -152,14 +163,22 @@ def _wrap(method: Any, hook: str) -> Any:
         ledger: HookLedger = self._kvpush_ledger
         depth = getattr(ledger.depth, "n", 0)
         ledger.depth.n = depth + 1
+        cpu_on = ledger.cpu_on and depth == 0
+        # The CPU clock is read outside the wall clock: each reading is a system call,
+        # and a thread that returns from one may be switched out for another runnable
+        # process on its core (vLLM's polling ones), which inside the wall clock would
+        # count as the hook's time. So CPU time counts the wall clock's two readings too
+        # (~1 us), and a hook that never waits shows a little more CPU than wall time.
+        cpu_started = time.thread_time() if cpu_on else 0.0
         started = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
         finally:
             took = time.perf_counter() - started  # the timer's own work stays outside
+            cpu = time.thread_time() - cpu_started if cpu_on else None
             ledger.depth.n = depth
             if depth == 0:
-                ledger.record(hook, took)
+                ledger.record(hook, took, cpu)
 
     return timed
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvpush.bench import timed
-from kvpush.bench.cli import above_floor, hook_rows, hook_totals
+from kvpush.bench.cli import above_floor, cpu_rows, hook_rows, hook_totals, per_hook_rows
 from kvpush.bench.compare import RequestResult, SetupReport
 from kvpush.bench.null import NULL_PARAMS, NullConnector
 from kvpush.proxy.rewrite import Backend, pull_decode_params
@@ -53,6 +53,68 @@ def test_timed_class_times_hooks_once_and_writes_a_ledger(
     assert totals["worker"]["calls"] == {"get_transfer_results": 1, "get_finished": 1}
     assert totals["scheduler"]["calls"] == {"build_connector_meta": 1}
     assert json.loads(next(tmp_path.glob("worker-*.json")).read_text())["role"] == "worker"
+
+
+class BusyConnector(FakeConnector):
+    def build_connector_meta(self, output: object) -> str:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:  # runs: its wall time is CPU time
+            pass
+        return "meta"
+
+
+def test_with_the_cpu_clock_on_a_waiting_hook_shows_wall_time_without_cpu_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPUSH_HOOK_DIR", str(tmp_path))
+    off = timed.timed_class(FakeConnector)(None, "KVConnectorRole.WORKER")
+    off.get_finished(set())
+    assert off._kvpush_ledger.cpu == {}  # off by default: no CPU clock read
+    off._kvpush_ledger.dump()
+    assert "cpu" not in json.loads(next(tmp_path.glob("worker-*.json")).read_text())
+    monkeypatch.setenv(timed.CPU_ENV, "1")
+    worker = timed.timed_class(BusyConnector)(None, "KVConnectorRole.WORKER")
+    worker.get_transfer_results(set())  # sleeps in the nested get_finished: counted once
+    worker.build_connector_meta(None)
+    ledger = worker._kvpush_ledger
+    assert set(ledger.cpu) == {"get_transfer_results", "build_connector_meta"}
+    assert ledger.seconds["get_transfer_results"] >= 0.002 > 10 * ledger.cpu["get_transfer_results"]
+    assert ledger.cpu["build_connector_meta"] >= 0.02
+    assert ledger.cpu["build_connector_meta"] <= ledger.seconds["build_connector_meta"] * 1.01
+    # the table: wall, CPU and the waiting share per request, decode then prefill
+    report = SetupReport("kvpush-push", "ok")
+    hooks = {"worker": {"seconds": {"get_finished": 0.004}, "cpu": {"get_finished": 0.001}}}
+    clocks = {"worker": {"seconds": {"get_finished": 0.001}, "cpu": {"get_finished": 0.0012}}}
+    report.hooks = {"decode-0": hooks, "prefill-0": clocks}
+    assert cpu_rows([report, SetupReport("vllm-pull", "stalled")], requests=2) == [
+        # prefill: more CPU than wall (the clocks' own readings) is no waiting
+        ["kvpush-push", "2.000", "0.500", "75 %", "0.500", "0.600", "0 %"]
+    ]
+
+
+def test_the_costliest_hooks_are_listed_per_server_with_their_calls() -> None:
+    report = SetupReport("kvpush-push", "ok")
+    report.hooks = {
+        "prefill-0": {
+            "scheduler": {
+                "seconds": {"request_finished": 0.004, "build_connector_meta": 0.0},
+                "calls": {"request_finished": 10, "build_connector_meta": 40},
+            },
+            "worker": {
+                "seconds": {"get_finished": 0.001, "bind_connector_metadata": 0.002},
+                "calls": {"get_finished": 40, "bind_connector_metadata": 40},
+                "cpu": {"get_finished": 0.0005},
+            },
+        }
+    }
+    assert per_hook_rows([report], requests=10, top=2) == [
+        # most time first; a hook that took none is left out
+        ["kvpush-push", "prefill", "scheduler.request_finished", "0.400", "1.0", "400.0", "-"],
+        ["kvpush-push", "prefill", "worker.bind_connector_metadata", "0.200", "4.0", "50.0", "-"],
+    ]
+    (last,) = per_hook_rows([report], requests=10, top=3)[2:]
+    assert last[2:] == ["worker.get_finished", "0.100", "4.0", "25.0", "12.5"]
+    assert per_hook_rows([SetupReport("vllm-pull", "stalled")], requests=10) == []
 
 
 def test_unknown_names_are_attribute_errors() -> None:
