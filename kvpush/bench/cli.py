@@ -83,8 +83,8 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="also read each hook's thread CPU time and print, per server, CPU ms per "
         "request next to wall ms: their difference is time the hook waited (for the GIL "
-        "or for the core) rather than ran. Each reading is a system call, so the other "
-        "figures rise a little for every setup",
+        "or for the core) rather than ran. The CPU clock is read outside the wall clock "
+        "(a system call each), so the other figures stay as without it",
     )
     hooks.add_argument(
         "--per-hook",
@@ -392,9 +392,10 @@ def hook_totals(ledger: dict[str, Any], role: str) -> tuple[float, int]:
     return sum(part.get("seconds", {}).values()), sum(part.get("calls", {}).values())
 
 
-def all_hooks_s(ledger: dict[str, Any]) -> float:
-    """Seconds of every hook of one server, scheduler and worker."""
-    return sum(hook_totals(ledger, role)[0] for role in ROLES)
+def all_hooks_s(ledger: dict[str, Any], table: str = "seconds") -> float:
+    """Seconds of every hook of one server, scheduler and worker: wall time, or with
+    table "cpu" the thread CPU time (`--cpu-time`; 0 without it)."""
+    return sum(sum(ledger.get(role, {}).get(table, {}).values()) for role in ROLES)
 
 
 def per_step_us(report: compare.SetupReport, server: str) -> float | None:
@@ -463,7 +464,7 @@ def cpu_rows(reports: list[compare.SetupReport], requests: int) -> list[list[str
         for server in ("decode-0", "prefill-0"):
             ledger = report.hooks.get(server, {})
             wall = all_hooks_s(ledger)
-            cpu = sum(sum(ledger.get(role, {}).get("cpu", {}).values()) for role in ROLES)
+            cpu = all_hooks_s(ledger, "cpu")
             cells += [
                 f"{1e3 * wall / requests:.3f}",
                 f"{1e3 * cpu / requests:.3f}",

@@ -8,7 +8,7 @@ Every hook vLLM calls on its scheduler or worker main thread is wrapped with a t
 KVPUSH_HOOK_CPU=1 in the server's environment it also reads the calling thread's CPU clock
 around each hook (`kvpush bench hooks --cpu-time`): wall time less CPU time is what the
 hook spent waiting (for the GIL, or off the core while another thread ran). Off by default:
-each reading is a system call, which the per-step figures would then include. Totals are written
+each reading is a system call (read outside the wall clock, see `_wrap`). Totals are written
 as JSON to $KVPUSH_HOOK_DIR/<role>-<pid>.json by a daemon thread every half second while
 they change, so a benchmark can read what each process spent without touching the
 connector's own metrics.
