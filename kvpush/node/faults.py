@@ -17,7 +17,11 @@ served normally, so one deployment serves many scenarios. Each hook only changes
   hold_prefill=S       prefill (push): a finished prefill reaches the writer S s late, so
                        the registration waits for it
   delay_write=S        the initiator (prefill in push, decode in pull) observes a transfer
-                       it posted as in flight for at least S s more
+                       it posted as in flight for at least S s more (its bytes may move
+                       meanwhile: only the completion is seen late)
+  delay_post=S         the initiator posts a transfer S s late, though it counts as in flight
+                       (and its timeout runs) from the start: no byte of it can move
+                       before then, so a link cut meanwhile catches all of it still to send
   nixl_error           the initiator's transfer completes with an error state, as NIXL
                        reports a failed transfer
 """
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger("kvpush.faults")
 
 ENV = "KVPUSH_FAULTS"
-WITH_SECONDS = ("hold_decode", "hold_prefill", "delay_write")
+WITH_SECONDS = ("hold_decode", "hold_prefill", "delay_write", "delay_post")
 WITHOUT = ("drop_registration", "nixl_error")
 
 

@@ -386,6 +386,37 @@ class Moving(Generic[J]):
     told: bool = False  # push: decode was told this WRITE is in flight (`Writing`)
 
 
+class PostLater:
+    """Test hook delay_post: a transfer that counts as in flight from now but is posted only
+    once `due` passed, so none of its bytes can move before then (a link cut meanwhile
+    catches it with everything still to send). Its bytes and descriptors go uncounted."""
+
+    __slots__ = ("what", "_due", "_post", "_posted")
+
+    def __init__(self, what: str, due: float, post: Callable[[], Posted]) -> None:
+        self.what = what
+        self._due = due
+        self._post = post
+        self._posted: Transfer | None = None
+
+    @classmethod
+    def posted(cls, what: str, due: float, post: Callable[[], Posted]) -> Posted:
+        return Posted(cls(what, due, post), 0, 0)
+
+    def poll(self) -> bool:
+        if self._posted is None:
+            if time.monotonic() < self._due:
+                return False
+            try:
+                self._posted = self._post().transfer
+            except planning.PlanError as exc:
+                raise TransferError("failed", f"{self.what}: {exc}") from exc
+        return self._posted.poll()
+
+    def release(self) -> bool:
+        return self._posted.release() if self._posted is not None else True
+
+
 class InFlight(Generic[J]):
     """Posted transfers, polled from their owner thread with backoff (20 us -> 1 ms)."""
 
@@ -498,22 +529,20 @@ class PeerLoop(Loop, Generic[J]):
         first_token: int = 0,
     ) -> None:
         """`post_kv`, then track the transfer for `job` until `ended` reports it."""
+        args = (self.ctx, op, peer, local_blocks, remote_blocks, num_tokens, prefill_tokens)
+        faults = self.ctx.config.faults
+        late = faults.seconds("delay_post", transfer_id) if faults else 0.0
+        if late:
+            what, now = f"{op} {transfer_id} (test hook delay_post)", time.monotonic()
+            later = PostLater.posted(what, now + late, lambda: post_kv(*args, first_token))
+            self.inflight.add(job, later, peer, now)
+            return
         try:
-            posted = post_kv(
-                self.ctx,
-                op,
-                peer,
-                local_blocks,
-                remote_blocks,
-                num_tokens,
-                prefill_tokens,
-                first_token,
-            )
+            posted = post_kv(*args, first_token)
         except TransferError as exc:
             self.peers.lost(peer, exc)
             raise
         self.results.observe(descriptors=float(posted.descriptors))
-        faults = self.ctx.config.faults
         injected = None
         if faults.fires("nixl_error", transfer_id):
             what = posted.transfer.what

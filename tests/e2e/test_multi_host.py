@@ -19,10 +19,10 @@ listens on 0.0.0.0 (`bind_host`), advertising the host's address. Per mode:
 - the KV crossed decode's link in TCP connections of UCX's own (not the control port);
 - what crossed the links - Hellos, registrations, notices, pull coordinates - names the
   hosts' addresses, never 127.0.0.1, localhost or the wildcard bind address;
-- decode's link cut mid-transfer (`ip link set` down on its bridge port, while the
-  `delay_write` test hook holds the transfer in flight): decode fails the request within
-  its bound, the client gets a 502 once the link is back, no KV block leaks on either
-  server, and the next request is answered correctly.
+- decode's link cut mid-transfer (`ip link set` down on its bridge port, while a test hook
+  holds the transfer in flight: `delay_write` in push, `delay_post` in pull): decode fails
+  the request within its bound, the client gets a 502 once the link is back, no KV block
+  leaks on either server, and the next request is answered correctly.
 
 Each prints one summary line (run with -s). Time: the single reference server, then two
 server start-ups per mode (about a minute each on 2 cores, in parallel) and under a minute
@@ -82,7 +82,7 @@ PREFILL_PORT, DECODE_PORT, CONTROL_PORT = 8100, 8200, 5600  # README's
 SECRET = "kvpush-e2e-multi-host-secret"
 TRANSFER_TIMEOUT_S, FENCE_S, LEASE_S = 4.0, 2.0, 6.0
 SLACK_S = 5.0  # past a deadline before a failure counts as late (a busy CI machine)
-HOLD_S = 3.0  # delay_write: the initiator sees its transfer in flight this much longer
+HOLD_S = 3.0  # delay_write/delay_post: the initiator's transfer stays in flight this much longer
 REQUEST_TIMEOUT_S = 30.0
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
 LOOPBACK = (b"127.0.0.1", b"localhost", b"0.0.0.0")
@@ -156,7 +156,7 @@ def server_env(core: int, workdir: Path) -> dict[str, str]:
         # this checkout's kvpush, whichever the environment installed
         "PYTHONPATH": str(Path(kvpush.__file__).resolve().parents[1]),
         "KVPUSH_SECRET": SECRET,
-        "KVPUSH_FAULTS": f"delay_write={HOLD_S}",
+        "KVPUSH_FAULTS": f"delay_write={HOLD_S},delay_post={HOLD_S}",
         **netns.UCX_ENV,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -449,9 +449,15 @@ def test_decode_link_cut_mid_transfer_fails_within_the_bound_and_leaks_nothing(
     pair: Pair,
 ) -> None:
     b = pair.decode.host
-    # the initiator holds the transfer in flight HOLD_S longer: prefill in push, decode in pull
+    # the initiator holds the transfer in flight HOLD_S longer: prefill in push, decode in
+    # pull. In push, decode learns of the WRITE's end only from prefill's message, which
+    # the cut stops, so `delay_write` (completion seen late) is enough. In pull, decode
+    # reads the bytes itself: with `delay_write` the READ is posted at once and the bytes
+    # may reach decode's socket before the cut (then the request succeeds, ~1 run in 10);
+    # `delay_post` posts it only after the cut, with its timeout running from the start.
     initiator = pair.prefill if pair.mode == "push" else pair.decode
-    rid = f"mh-{pair.mode}-cut-fault-delay_write"
+    hook = "delay_write" if pair.mode == "push" else "delay_post"
+    rid = f"mh-{pair.mode}-cut-fault-{hook}"
     prompt, after = fresh_prompt(f"{pair.mode} cut"), fresh_prompt(f"{pair.mode} link back")
     # what one server answers to the prompt of the request after the cut: prefill's
     # own, computed alone (one core, as the reference). Salted, so that it leaves nothing
@@ -475,7 +481,7 @@ def test_decode_link_cut_mid_transfer_fails_within_the_bound_and_leaks_nothing(
         started = time.monotonic()
         pending = pool.submit(send)
         try:
-            wait_for_line(initiator, "injecting delay_write", mark[initiator.name], 20)
+            wait_for_line(initiator, f"injecting {hook}", mark[initiator.name], 20)
             pair.hosts.cut(b)
             cut_at = time.monotonic() - started
             # decode gives up at its deadline (push: and waits up to fence_s for prefill);

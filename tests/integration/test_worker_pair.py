@@ -401,6 +401,37 @@ def test_push_write_that_never_completes_is_cancelled_at_the_transfer_timeout(
     assert pair.prefill.worker.stats_data()["failures"] == {"write_timeout": 1}
 
 
+def test_pull_read_posted_late_moves_nothing_before_it_is_due(pair_factory: object) -> None:
+    """The delay_post test hook: decode's READ counts as in flight from the start, but no
+    byte of it moves until it is posted; then it completes byte-exact."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(faults="delay_post=0.6", transfer_timeout_s=5.0)
+    pair.start("t1-fault-delay_post")
+    receiver = pair.decode.worker.part
+    assert receiver is not None
+    pair.run_until(lambda: len(receiver.inflight) == 1)  # the READ counts as in flight
+    quiet_until = time.monotonic() + 0.3
+    pair.run_until(lambda: time.monotonic() > quiet_until)
+    assert not pair.decode.recving
+    assert np.count_nonzero(tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)) == 0
+    took = pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert took < 3.0 and pair.decode.load_errors == set()
+    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
+    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+
+
+def test_pull_read_posted_after_its_deadline_times_out_from_the_start(
+    pair_factory: object,
+) -> None:
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(faults="delay_post=30", transfer_timeout_s=0.6)
+    pair.start("t1-fault-delay_post")
+    took = pair.run_until(lambda: pair.decode.recving)
+    assert 0.5 < took < 3.0, "the timeout runs from when the READ counted as in flight"
+    assert pair.decode.load_errors == {1, 9, 3}
+    assert pair.decode.worker.stats_data()["failures"].get("transfer_timeout") == 1
+
+
 def test_push_prefill_that_stays_silent_is_fenced_then_released_by_time(
     pair_factory: object,
 ) -> None:
