@@ -514,3 +514,11 @@ def test_a_grant_checks_out_only_for_exactly_what_was_granted() -> None:
         assert not grant_ok(SECRET, token, engine, transfer, blocks, tokens, tp)
     assert not grant_ok(b"another secret", token, "prefill-0", "t-1", (4, 5, 9), 40, 2)
     assert not grant_ok(SECRET, "", "prefill-0", "t-1", (4, 5, 9), 40, 2)
+    # numbers no grant can hold (coordinates altered on the way) are refused, not raised
+    for blocks, tokens, tp in [((4, 5, 2**63), 40, 2), ((4, -5, 9), 40, -1), ((4,), 2**64, 2)]:
+        assert not grant_ok(SECRET, token, "prefill-0", "t-1", blocks, tokens, tp)
+    # a field's bytes cannot move into its neighbour: every length is signed
+    assert grant(SECRET, "ab", "c", (), 0, 1) != grant(SECRET, "a", "bc", (), 0, 1)
+    long_secret = b"s" * 100  # longer than BLAKE2b's key: hashed to one, still binding
+    assert grant(long_secret, "e", "t", (1,), 1, 1) != grant(b"s" * 99, "e", "t", (1,), 1, 1)
+    assert grant_ok(long_secret, grant(long_secret, "e", "t", (1,), 1, 1), "e", "t", (1,), 1, 1)
