@@ -13,7 +13,7 @@ demo: setup
 	$(PY) -m kvpush.cli demo
 
 test: setup lint
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 unit: setup
 	$(PY) -m pytest -q tests/unit
