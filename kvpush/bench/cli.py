@@ -46,6 +46,7 @@ from kvpush.testbed.topology import (
     SETUPS,
     SWEEP_SETUPS,
     PairSettings,
+    worker_alone_cores,
 )
 
 
@@ -286,10 +287,26 @@ def add_sweep_arguments(
         "cannot reproduce prefill's token). `decode` runs kvpush in vLLM's order, as the "
         "articles measured; recorded in each result file",
     )
+    parser.add_argument(
+        "--worker-alone",
+        choices=("prefill", "decode"),
+        default="",
+        help="give that server's model worker a core to itself and move everything else of "
+        "it (API server, engine core, connector threads) to the other cores, with the other "
+        "server, the proxy and the client. `decode` measures decode's steps (TPOT) as a "
+        "host with cores to spare runs them, without vLLM's API server and engine core "
+        "taking turns on the worker's core; the other server's figures (TTFT) are then "
+        "not as separate hosts would run. Not for `single`. Needs 2 cores or more and "
+        "pinning; recorded in each result file",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the plot and table at the end")
 
 
 def sweep_spec(args: argparse.Namespace) -> sweep.SweepSpec:
+    if args.worker_alone:
+        if not args.pin:
+            raise ValueError("--worker-alone needs pinning: drop --no-pin")
+        worker_alone_cores(args.worker_alone)
     model = args.model or args.workdir / "models" / "tiny"
     if args.model is None:
         ensure_tiny_model(model, TinyModelSpec())
@@ -313,6 +330,7 @@ def sweep_spec(args: argparse.Namespace) -> sweep.SweepSpec:
             prefix_caching=args.prefix_caching,
             startup_timeout=args.startup_timeout,
             pin=args.pin,
+            worker_alone=args.worker_alone,
         ),
         seed=args.seed,
         request_timeout=args.request_timeout,

@@ -657,8 +657,11 @@ def run_group(
             say(f"  [{setup}] servers healthy after {took:.0f} s{topology.moved_back_note()}")
             with front(topology, pair.port, spec.request_timeout, spec.first_token) as proxy:
                 error = asyncio.run(warm_up(proxy.url, str(pair.model)))
-                if error:
-                    reason = f"warm-up through the proxy failed: {error}"
+                reason = f"warm-up through the proxy failed: {error}" if error else None
+                if reason is None and topology.config.worker_alone:
+                    # the first contact may have started threads on the lone worker's core
+                    reason = _isolate(topology, setup, say)
+                if reason:
                     say(f"  [{setup}] {reason}")
                     written += _record_all(spec, queue, topology, "failed", reason, progress, say)
                     return written
@@ -686,6 +689,16 @@ def run_group(
         finally:
             topology.stop()
     return written
+
+
+def _isolate(topology: Topology, setup: str, say: Say) -> str | None:
+    """Move what runs next to the lone worker aside again; the error, if it cannot."""
+    try:
+        moved = topology.confine()
+    except ValueError as exc:
+        return f"could not give the model worker its core alone: {exc}"
+    say(f"  [{setup}] {moved} threads moved off the lone worker's core after the warm-up")
+    return None
 
 
 def _record_all(

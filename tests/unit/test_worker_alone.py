@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvpush.cli import main
+from kvpush.bench.cli import sweep_spec
+from kvpush.cli import build_parser, main
 from kvpush.testbed import topology
 from kvpush.testbed.pinning import (
     OWN_GROUP,
@@ -207,6 +208,7 @@ def test_single_is_never_given_a_lone_worker(tmp_path: Path) -> None:
     assert pair.topology("kvpush-push", "bench-hooks").worker_alone == "prefill"
 
 
+@pytest.mark.parametrize("tool", ["hooks", "sweep"])
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -215,10 +217,23 @@ def test_single_is_never_given_a_lone_worker(tmp_path: Path) -> None:
     ],
 )
 def test_the_command_refuses_before_starting_anything(
-    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+    tool: str, argv: list[str], says: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    workdir = ["--workdir", str(tmp_path / "w")]
+    if tool == "sweep":
+        workdir += ["--out", str(tmp_path / "o")]
     with pytest.raises(SystemExit) as exit_:
-        sys.exit(main(["bench", "hooks", *argv]))
+        sys.exit(main(["bench", tool, *workdir, *argv]))
     captured = capsys.readouterr()
     assert exit_.value.code == 2 and captured.out == ""
     assert says in captured.err and "Traceback" not in captured.err
+    assert not (tmp_path / "w").exists(), "nothing built before the refusal"
+
+
+@two_cores
+def test_a_sweep_gives_the_lone_worker_to_every_pair_but_single(tmp_path: Path) -> None:
+    argv = ["bench", "sweep", "--workdir", str(tmp_path / "w"), "--worker-alone", "decode"]
+    args = build_parser().parse_args([*argv, "--model", str(model(tmp_path))])
+    pair = sweep_spec(args).pair
+    assert pair.topology("kvpush-pull", "sweep").worker_alone == "decode"
+    assert pair.topology("single", "sweep").worker_alone == ""
