@@ -180,7 +180,7 @@ def table(rows: Sequence[Aggregate]) -> str:
     """The per-point table with ratios to the best vLLM connector, and what its marks mean."""
     columns = [col for col, _, _ in ratio_columns(rows)]
     header = ["in", "qps", "setup", "result", "TTFT p50", "TTFT p99", "2nd token p50"]
-    header += ["TPOT p50", "TPOT p99", "req/s", "1 burst", "late", *columns]
+    header += ["TPOT p50", "TPOT p99", "decode step", "req/s", "1 burst", "late", *columns]
     cells = []
     for line in lines(rows):
         r = line.row
@@ -192,6 +192,7 @@ def table(rows: Sequence[Aggregate]) -> str:
                 result_cell(r),
                 *(_ms(v, r.partial) for v in (r.ttft_p50, r.ttft_p99, r.tt2t_p50)),
                 *(_ms(v, r.partial) for v in (r.tpot_p50, r.tpot_p99)),
+                "-" if r.decode_step_ms is None else f"{r.decode_step_ms:.1f}",
                 "-" if r.throughput is None else f"{r.throughput:.2f}",
                 share(r.one_burst),
                 share(r.late_tokens),
@@ -204,7 +205,10 @@ def table(rows: Sequence[Aggregate]) -> str:
         "handoff shows here); "
         "X/vLLM: this setup's p50 divided by the best vLLM connector as shipped "
         f"({', '.join(SHIPPED)}) at that point, ok in every run if one was; "
-        "below 1.00x is better"
+        "below 1.00x is better",
+        "decode step: decode's engine's mean time per token over the run (vLLM's "
+        "inter-token histogram on the decode server, or the single server), median over "
+        "runs: TPOT without the proxy and the client",
     ]
     if any(col.endswith("/nospin") for col in columns):
         notes.append("X/nospin: the same against the best vllm-*-nospin setup")
@@ -256,6 +260,7 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
             "one_burst",
             "late_tokens",
             "tt2t_p50_ms",
+            "decode_step_ms",
             *(col.replace("/", "_vs_").lower() for col in columns),
             *(col.replace("/", "_vs_").lower() + "_shaky" for col in columns),
         ]
@@ -284,6 +289,7 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
                 number(r.one_burst),
                 number(r.late_tokens),
                 number(r.tt2t_p50),
+                number(r.decode_step_ms),
                 *(number(x.value) for x in ratios),
                 *(int(x.shaky) for x in ratios),
             ]

@@ -293,6 +293,26 @@ def late_count(arrivals: Sequence[float], step: float, steps: float = LATE_STEPS
     return late
 
 
+def engine_step_ms(deltas: dict[str, float] | None) -> float | None:
+    """Decode's mean time between a request's tokens in the engine over a run (ms)."""
+    if not deltas:
+        return None
+    count = delta_total(deltas, "vllm:inter_token_latency_seconds_count")
+    total = delta_total(deltas, "vllm:inter_token_latency_seconds_sum")
+    return total / count * 1e3 if count > 0 else None
+
+
+def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of a run's deltas for metric `name` whose labels include `labels`."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for key, value in deltas.items():
+        metric, _, rest = key.partition("{")
+        if metric == name and all(w in rest.rstrip("}").split(",") for w in wanted):
+            total += value
+    return total
+
+
 def late_tokens(raw: dict[str, Any], engine_step_ms: float | None) -> dict[str, Any]:
     """`late_tokens`: the share of the completed requests' output tokens that reached the
     client more than LATE_STEPS decode steps after they were produced (`late_count`), from
@@ -376,6 +396,8 @@ class Aggregate:
     one_burst: float | None = None  # median share of answers sent in one burst
     late_tokens: float | None = None  # median share of tokens late (`late_tokens()`)
     tt2t_p50: float | None = None  # time to the second token (`second_token()`)
+    # decode's engine's mean time per token (`engine_step_ms`): TPOT less proxy and client
+    decode_step_ms: float | None = None
 
     @property
     def status(self) -> str:
@@ -435,6 +457,14 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
                 median(r.get("one_burst") for r in good),
                 median(r.get("late_tokens") for r in good),
                 mid("tt2t", "p50"),
+                median(decode_step(r) for r in good),
             )
         )
     return rows
+
+
+def decode_step(result: dict[str, Any]) -> float | None:
+    """Decode's engine's mean time per token over a run (the single server's for single),
+    from the metrics the sweep scraped around it."""
+    metrics = result.get("metrics") or {}
+    return engine_step_ms(metrics.get("decode", metrics.get("single")))

@@ -33,7 +33,7 @@ from typing import Any
 
 from kvpush.bench import results as res
 from kvpush.bench import trace
-from kvpush.bench.results import Point
+from kvpush.bench.results import Point, delta_total, engine_step_ms
 from kvpush.testbed import scrape
 from kvpush.testbed.pinning import OWN_GROUP, confined, pin_preexec
 from kvpush.testbed.topology import (
@@ -355,15 +355,6 @@ def metric_deltas(
     return deltas
 
 
-def engine_step_ms(deltas: dict[str, float] | None) -> float | None:
-    """Decode's mean time between a request's tokens in the engine over a run (ms)."""
-    if not deltas:
-        return None
-    count = delta_total(deltas, "vllm:inter_token_latency_seconds_count")
-    total = delta_total(deltas, "vllm:inter_token_latency_seconds_sum")
-    return total / count * 1e3 if count > 0 else None
-
-
 def handed_off(deltas: dict[str, float] | None) -> float | None:
     """The share of decode's prompt tokens that came by KV transfer over a run (None: no
     decode, or no prompt tokens counted). Below 1 decode computed the rest itself: prompts
@@ -375,17 +366,6 @@ def handed_off(deltas: dict[str, float] | None) -> float | None:
     if total <= 0:
         return None
     return round(delta_total(deltas, name, source="external_kv_transfer") / total, 4)
-
-
-def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of a run's deltas for metric `name` whose labels include `labels`."""
-    wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    total = 0.0
-    for key, value in deltas.items():
-        metric, _, rest = key.partition("{")
-        if metric == name and all(w in rest.rstrip("}").split(",") for w in wanted):
-            total += value
-    return total
 
 
 # -- one run ---------------------------------------------------------------------------------

@@ -41,6 +41,10 @@ def record(point: Point, status: str = "ok", ttft: float = 10.0, tpot: float = 2
         summary["ttft"] = {"mean": ttft, "p50": ttft, "p99": 3 * ttft}
         summary["tpot"] = {"mean": tpot, "p50": tpot, "p99": 2 * tpot}
         base.update(summary)
+        # decode's engine: 31 gaps of (tpot - 0.5) ms each, the rest was proxy and client
+        itl = 'vllm:inter_token_latency_seconds_{}{{engine="0",model_name="m"}}'
+        step = {itl.format("sum"): 31 * (tpot - 0.5) / 1e3, itl.format("count"): 31.0}
+        base["metrics"] = {"decode": step, "prefill": {}}
     return base
 
 
@@ -248,8 +252,10 @@ def test_aggregate_takes_medians_of_ok_runs_and_keeps_failures(tmp_path: Path) -
     ours = next(r for r in rows if (r.setup, r.rate) == ("kvpush-push", 4.0))
     assert (ours.runs, ours.ok, ours.status) == (2, 2, "ok")
     assert ours.ttft_p50 == pytest.approx(4 * 31.5)
+    assert ours.decode_step_ms == pytest.approx(1.5)
     stalled = next(r for r in rows if (r.setup, r.rate) == ("vllm-push", 4.0))
     assert stalled.status == "stalled" and stalled.ttft_p50 is None
+    assert stalled.decode_step_ms is None
     assert stalled.reasons == ["stalled for a test"] * 2
 
 
@@ -261,6 +267,9 @@ def test_table_gives_ratios_to_the_best_vllm_connector(tmp_path: Path) -> None:
     assert rows["256", "1", "kvpush-push"][-2:] == [f"{31.5 / 201.5:.2f}x", f"{2 / 4:.2f}x"]
     # at 4 qps vllm-push stalled, so the reference is vllm-pull
     assert rows["256", "4", "kvpush-push"][-2] == f"{31.5 / 301.5:.2f}x"
+    header = text.splitlines()[0].split("  ")
+    column = [h.strip() for h in header if h.strip()].index("decode step")
+    assert rows["256", "1", "vllm-pull"][column + 1] == "3.5"  # "ok 2/2" is two words
     assert rows["256", "4", "vllm-push"][3:5] == ["stalled", "0/2"]
     assert "vllm-push at 4 qps, 256 in: stalled (stalled for a test)" in text
 
