@@ -14,11 +14,13 @@ Run by tests/unit/test_mutations.py in `make test`.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +134,12 @@ MUTATIONS = (
 )
 
 
+def timed_run(mutation: Mutation) -> tuple[bool, str, float]:
+    started = time.monotonic()
+    caught, last = run(mutation, sys.executable)
+    return caught, last, time.monotonic() - started
+
+
 def run(mutation: Mutation, python: str) -> tuple[bool, str]:
     """(caught, what happened) for `mutation` applied to a fresh copy of the repository."""
     with tempfile.TemporaryDirectory(prefix="kvpush-mutation-") as tmp:
@@ -166,13 +174,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name:45} {m.file}")
         return 0
     survived = []
-    for mutation in chosen:
-        started = time.monotonic()
-        caught, last = run(mutation, sys.executable)
-        took = time.monotonic() - started
-        print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name:45} {took:5.1f} s  {last}")
-        if not caught:
-            survived.append(mutation.name)
+    # each mutation is its own copy and pytest process: one per core at a time
+    workers = max(1, min(len(chosen), len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for mutation, (caught, last, took) in zip(
+            chosen, pool.map(timed_run, chosen), strict=True
+        ):
+            mark = "caught  " if caught else "SURVIVED"
+            print(f"{mark} {mutation.name:45} {took:5.1f} s  {last}", flush=True)
+            if not caught:
+                survived.append(mutation.name)
     if survived:
         print(f"{len(survived)} guard(s) no test checks: {', '.join(survived)}", file=sys.stderr)
         return 1
