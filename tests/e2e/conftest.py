@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -128,40 +128,50 @@ class Deployment:
     output: list[str]
 
     served: int = 0  # requests this deployment answered through `ask`
+    stalls: int = 0  # vLLM push's stalls in a row (see `ask`)
 
     @property
     def attempts(self) -> int:
         # vLLM's NixlPushConnector stalls a request now and then on these machines (its
-        # 5 s handshake limit under CPU load); its checks allow one retry after the
-        # proxy's timeout. Every other setup gets exactly one attempt.
+        # 5 s handshake limit under CPU load), on decode's leg or on prefill's; its checks
+        # allow one retry after the proxy's timeout. Every other setup gets exactly one.
         return 2 if self.setup == "vllm-push" else 1
 
     def ask(self, send: Any, path: str, body: dict[str, Any]) -> Any:
         """`send(url, body)` through the proxy, retried only where `attempts` allows.
 
-        Only evidence of vLLM's push stall - the proxy's 504 for a decode leg that did not
-        answer within its timeout - is retried, and recorded as a skip naming the stall
-        when it repeats. Anything else (a 502, an error of the proxy itself, a wrong
-        answer) fails the test, vLLM's push included.
+        Only evidence of vLLM's push stall - the proxy's 504 for a leg (prefill's or
+        decode's) that did not answer within its timeout - is retried, and recorded as a
+        skip naming the stall when it repeats; once it has, the deployment is wedged (every
+        later request stalls the same way), so the module's later checks skip at once
+        instead of waiting out the timeout again. Anything else (a 502, an error of the
+        proxy itself, a wrong answer) fails the test, vLLM's push included.
         """
+        if self.stalls >= self.attempts:
+            self._skip_stalled()
         for attempt in range(self.attempts):
             try:
                 answer = send(self.proxy + path, body, timeout=2 * REQUEST_TIMEOUT + 15)
             except urllib.error.HTTPError as exc:
                 detail = exc.read().decode(errors="replace")
-                stalled = exc.code == 504 and "decode" in detail and "no answer within" in detail
+                stalled = exc.code == 504 and "backend" in detail and "no answer within" in detail
                 if self.setup != "vllm-push" or not stalled:
                     raise AssertionError(f"HTTP {exc.code} from the proxy: {detail}") from exc
+                self.stalls += 1
                 if attempt + 1 < self.attempts:
                     continue
-                pytest.skip(
-                    f"vLLM's NixlPushConnector stalled {self.attempts} times (decode sent no "
-                    f"answer within {REQUEST_TIMEOUT} s); {self.served} of its requests in "
-                    "this module were answered"
-                )
+                self._skip_stalled(detail)
+            self.stalls = 0
             self.served += 1
             return answer
         raise AssertionError("unreachable")
+
+    def _skip_stalled(self, detail: str = "") -> NoReturn:
+        pytest.skip(
+            f"vLLM's NixlPushConnector stalled {self.stalls} times in a row (a backend sent "
+            f"no answer within {REQUEST_TIMEOUT} s); {self.served} of its requests in this "
+            f"module were answered. {detail}"
+        )
 
     def stop(self) -> int:
         if self.proc.poll() is None:
