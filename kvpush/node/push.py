@@ -59,6 +59,8 @@ class PushWriter(PeerLoop[StartWrite]):
             max_wait_s=ctx.config.transfer_timeout_s,
         )
         self.registered_at: dict[tuple[str, int], float] = {}
+        # request id -> when vLLM finished its prefill, until its blocks are released
+        self.finished_at: dict[str, float] = {}
         # transfer id -> (connection, generation) of its newest registration, to void what
         # a connection registered when it closes (its decode exited or restarted)
         self._sources: dict[str, tuple[int, int]] = {}
@@ -101,6 +103,8 @@ class PushWriter(PeerLoop[StartWrite]):
                 self.later(item, at, hold)
                 return
             self._held.discard(item.transfer_id)
+            if item.finished_at:
+                self.finished_at[item.request_id] = item.finished_at
             local = LocalBlocks(
                 item.transfer_id, item.request_id, item.block_ids, item.num_tokens, item.sampled
             )
@@ -267,6 +271,7 @@ class PushWriter(PeerLoop[StartWrite]):
             if shared is None:
                 return  # other legs still write from them
             local = shared
+        self.finished_at.pop(local.request_id, None)
         self.results.sent(local.request_id)
         if release.reason != "written":
             reason = release.reason.replace(
@@ -321,7 +326,10 @@ class PushWriter(PeerLoop[StartWrite]):
             return
         now = time.monotonic()
         registered = self.registered_at.pop((reg.transfer_id, reg.generation), now)
-        self.results.observe(reg_to_write_s=max(0.0, now - registered))
+        finished = self.finished_at.get(local.request_id, now)
+        self.results.observe(
+            reg_to_write_s=max(0.0, now - registered), finish_to_write_s=max(0.0, now - finished)
+        )
 
     def _fail_start(self, start: StartWrite, error: str, kind: str = "write_failed") -> None:
         reg = start.registration

@@ -15,7 +15,15 @@ import threading
 import time
 from typing import Any
 
-SERIES = ("bytes", "descriptors", "reg_to_write_s", "write_s", "read_s", "wait_s")
+SERIES = (
+    "bytes",
+    "descriptors",
+    "reg_to_write_s",
+    "finish_to_write_s",
+    "write_s",
+    "read_s",
+    "wait_s",
+)
 
 
 def empty_data() -> dict[str, Any]:

@@ -46,6 +46,8 @@ class SendSpec:
     block_ids: tuple[int, ...]
     num_tokens: int
     sampled: int = NO_TOKEN  # the first output token prefill sampled (push: for decode)
+    # when vLLM finished the prefill (time.monotonic, which every process of a host shares)
+    finished_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,6 +205,7 @@ class SchedulerSide:
             return False, None
         outputs = request.output_token_ids
         sampled = outputs[0] if outputs else NO_TOKEN
+        now = time.monotonic()
         self._send.append(
             SendSpec(
                 transfer_id=transfer_id,
@@ -212,9 +213,10 @@ class SchedulerSide:
                 block_ids=tuple(block_ids),
                 num_tokens=request.num_computed_tokens,
                 sampled=sampled,
+                finished_at=now,
             )
         )
-        self._sending[request.request_id] = time.monotonic()
+        self._sending[request.request_id] = now
         if self.config.mode == "push":
             return True, None
         coordinates: dict[str, Any] = {

@@ -46,12 +46,14 @@ class KvpushStats(KVConnectorStats):
             n = len(d["bytes"])
             out["avg_MB"] = round(sum(d["bytes"]) / n / 1e6, 3)
             out["avg_descriptors"] = round(sum(d["descriptors"]) / n, 1)
-            for series, key in (("write_s", "avg_write_ms"), ("read_s", "avg_read_ms")):
+            for series, key in (
+                ("write_s", "avg_write_ms"),
+                ("read_s", "avg_read_ms"),
+                ("reg_to_write_s", "avg_reg_to_write_ms"),
+                ("finish_to_write_s", "avg_finish_to_write_ms"),
+            ):
                 if d[series]:
                     out[key] = round(1e3 * sum(d[series]) / len(d[series]), 3)
-            if d["reg_to_write_s"]:
-                avg = sum(d["reg_to_write_s"]) / len(d["reg_to_write_s"])
-                out["avg_reg_to_write_ms"] = round(1e3 * avg, 3)
         if d["wait_s"]:
             out["avg_decode_wait_ms"] = round(1e3 * sum(d["wait_s"]) / len(d["wait_s"]), 3)
         out["failures"] = sum(d["failures"].values())
@@ -102,6 +104,11 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         self.reg_to_write_s = histogram(
             "kvpush:registration_to_write_seconds",
             "Registration arrival to WRITE post (0 when prefill finished later)",
+            seconds,
+        )
+        self.finish_to_write_s = histogram(
+            "kvpush:finish_to_write_seconds",
+            "Push: vLLM finished the prefill to WRITE post (waits for the registration if later)",
             seconds,
         )
         self.wait_s = histogram(
@@ -162,6 +169,7 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             ("write_s", self.write_s),
             ("read_s", self.read_s),
             ("reg_to_write_s", self.reg_to_write_s),
+            ("finish_to_write_s", self.finish_to_write_s),
             ("wait_s", self.wait_s),
         ):
             for value in d.get(series, ()):

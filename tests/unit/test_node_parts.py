@@ -244,6 +244,22 @@ def test_push_brings_prefills_first_token_to_decodes_process(
     assert SAMPLED.get("t1") == 4242
 
 
+def test_push_prefill_times_its_share_of_the_handoff(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """`finish_to_write_s`: from vLLM finishing the prefill (the scheduler's clock, which
+    the host's processes share) to the WRITE posted; forgotten once the blocks are free."""
+    prefill, decode = nodes("push", 4)
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    finished = time.monotonic() - 0.25
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS, finished_at=finished),))
+    run_until((prefill, decode), lambda: bool(prefill.sending and decode.recving))
+    data = prefill.worker.stats_data()
+    assert len(data["finish_to_write_s"]) == len(data["reg_to_write_s"]) == 1
+    assert 0.25 <= data["finish_to_write_s"][0] < 5.0
+    assert not prefill.worker.part.finished_at  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_a_scheduler_in_the_nodes_process_hands_its_specs_over_at_once(
     nodes: Callable[..., tuple[Node, Node]], mode: str
