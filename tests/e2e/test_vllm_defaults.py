@@ -2,10 +2,15 @@
 
 One deployment per kvpush mode (`kvpush up`, as a user starts it) with prefix caching on
 (vLLM's default), prefill chunking prompts at 256 tokens (`--max-num-batched-tokens`), and
-a decode KV cache of 10 blocks (of 128 tokens) so that a burst preempts running requests;
-a plain vLLM server is the reference. Every answer must equal the reference's at temperature 0, and
-vLLM's own counters must show what moved: decode's prompt tokens by source
-(`local_cache_hit`, `external_kv_transfer`, `local_compute`).
+a decode KV cache of 10 blocks (of 128 tokens) so that a burst preempts running requests.
+Every answer must equal the reference's at temperature 0, and vLLM's own counters must show
+what moved: decode's prompt tokens by source (`local_cache_hit`, `external_kv_transfer`,
+`local_compute`).
+
+The reference is what a single server answers: push's prefill server, asked directly (no
+kv_transfer_params, so no connector takes part) with a cache salt of its own, so that it
+computes every prompt itself and shares no prefix-cache block with the requests under
+test; one server fewer to start than a plain vLLM server beside the two pairs.
 """
 
 from __future__ import annotations
@@ -21,12 +26,10 @@ import pytest
 
 from kvpush.testbed import scrape
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
-from kvpush.testbed.topology import Topology, TopologyConfig
 from tests.e2e.conftest import BASE_PORT, KV_PORT, Deployment, launch, post, wait_ready
 
 pytestmark = pytest.mark.e2e
 SOURCES = "vllm:prompt_tokens_by_source_total"
-REFERENCE_PORT = BASE_PORT + 60
 MODE_PORTS = {"kvpush-push": (BASE_PORT + 70, KV_PORT + 70),
               "kvpush-pull": (BASE_PORT + 80, KV_PORT + 80)}  # fmt: skip
 MAX_MODEL_LEN = 1024
@@ -65,11 +68,19 @@ def chat(model: Path, messages: list[dict[str, str]]) -> dict[str, Any]:
 @dataclass
 class Defaults:
     model: Path
-    reference: str  # base URL of the plain server
     deployments: dict[str, Deployment]
 
     def ask(self, base: str, path: str, body: dict[str, Any]) -> Any:
         return post(base + path, body, timeout=120)
+
+    @property
+    def reference(self) -> str:
+        """Base URL of the single server that answers as the reference (`expect`)."""
+        return self.deployments["kvpush-push"].prefill
+
+    def expect(self, path: str, body: dict[str, Any]) -> Any:
+        """The reference's answer: push's prefill alone, under a cache salt of its own."""
+        return self.ask(self.reference, path, {**body, "cache_salt": "reference"})
 
 
 @pytest.fixture(scope="module")
@@ -80,16 +91,10 @@ def defaults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Defaults]:
         setup: launch(setup, tiny_model, work / setup, *ARGS, port=port, kv_port=kv)
         for setup, (port, kv) in MODE_PORTS.items()
     }
-    config = TopologyConfig(model=tiny_model, setup=None, port=REFERENCE_PORT, eager=True,
-                            max_model_len=MAX_MODEL_LEN, workdir=work / "reference")  # fmt: skip
     try:
-        # one core, as each prefill and decode server has (see conftest.reference)
-        with Topology(config, cores=[0]) as single:
-            single.start()
-            single.wait_healthy(timeout=400)
-            for deployment in deployments.values():
-                wait_ready(deployment)
-            yield Defaults(tiny_model, single.specs[0].url, deployments)
+        for deployment in deployments.values():
+            wait_ready(deployment)
+        yield Defaults(tiny_model, deployments)
     finally:
         for deployment in deployments.values():
             deployment.stop()
@@ -113,7 +118,7 @@ SETUPS = sorted(MODE_PORTS)
 @pytest.mark.parametrize("setup", SETUPS)
 def test_multi_turn_chat_transfers_only_the_new_turn(defaults: Defaults, setup: str) -> None:
     d = defaults.deployments[setup]
-    ref1 = defaults.ask(defaults.reference, "/v1/chat/completions", chat(defaults.model, TURN1))
+    ref1 = defaults.expect("/v1/chat/completions", chat(defaults.model, TURN1))
     got1 = defaults.ask(d.proxy, "/v1/chat/completions", chat(defaults.model, TURN1))
     answer1 = ref1["choices"][0]["message"]["content"]
     assert got1["choices"][0]["message"]["content"] == answer1
@@ -121,7 +126,7 @@ def test_multi_turn_chat_transfers_only_the_new_turn(defaults: Defaults, setup: 
     before = sources(d.decode)
     got2 = defaults.ask(d.proxy, "/v1/chat/completions", chat(defaults.model, turn2))
     moved = delta(before, sources(d.decode))
-    ref2 = defaults.ask(defaults.reference, "/v1/chat/completions", chat(defaults.model, turn2))
+    ref2 = defaults.expect("/v1/chat/completions", chat(defaults.model, turn2))
     assert got2["choices"][0]["message"]["content"] == ref2["choices"][0]["message"]["content"]
     prompt = got2["usage"]["prompt_tokens"]
     assert moved["local_cache_hit"] >= 256, f"turn 1's blocks came from decode's cache: {moved}"
@@ -166,7 +171,7 @@ def test_prefill_prefix_hits_and_chunked_prefill_hand_over_the_whole_prompt(
     d = defaults.deployments[setup]
     prompts = [SHARED + " " + text(12, i) for i in range(4)] + [LONG]
     want = [
-        defaults.ask(defaults.reference, "/v1/completions", completion(defaults.model, p))
+        defaults.expect("/v1/completions", completion(defaults.model, p))
         for p in prompts
     ]
     before = {"prefill": sources(d.prefill), "decode": sources(d.decode)}
@@ -204,7 +209,7 @@ def test_preempted_decodes_recompute_and_answer_right(defaults: Defaults, setup:
     d = defaults.deployments[setup]
     prompts = [prompt_of(defaults, 380, 10 + i) for i in range(8)]
     bodies = [completion(defaults.model, p, max_tokens=300) for p in prompts]
-    want = [defaults.ask(defaults.reference, "/v1/completions", b) for b in bodies]
+    want = [defaults.expect("/v1/completions", b) for b in bodies]
     preempted = scrape.total(scrape.scrape(d.decode), "vllm:num_preemptions_total")
     with ThreadPoolExecutor(len(bodies)) as pool:
         got = list(pool.map(lambda b: defaults.ask(d.proxy, "/v1/completions", b), bodies))
