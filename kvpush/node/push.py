@@ -103,8 +103,9 @@ class PushWriter(PeerLoop[StartWrite]):
                 self.later(item, at, hold)
                 return
             self._held.discard(item.transfer_id)
-            if item.finished_at:
+            if item.finished_at:  # vLLM's hop: its step that ended the prefill -> here
                 self.finished_at[item.request_id] = item.finished_at
+                self.results.observe(finish_to_handoff_s=max(0.0, at - item.finished_at))
             local = LocalBlocks(
                 item.transfer_id, item.request_id, item.block_ids, item.num_tokens, item.sampled
             )

@@ -19,6 +19,7 @@ SERIES = (
     "bytes",
     "descriptors",
     "reg_to_write_s",
+    "finish_to_handoff_s",
     "finish_to_write_s",
     "write_s",
     "read_s",

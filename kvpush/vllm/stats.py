@@ -50,6 +50,7 @@ class KvpushStats(KVConnectorStats):
                 ("write_s", "avg_write_ms"),
                 ("read_s", "avg_read_ms"),
                 ("reg_to_write_s", "avg_reg_to_write_ms"),
+                ("finish_to_handoff_s", "avg_finish_to_handoff_ms"),
                 ("finish_to_write_s", "avg_finish_to_write_ms"),
             ):
                 if d[series]:
@@ -104,6 +105,11 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         self.reg_to_write_s = histogram(
             "kvpush:registration_to_write_seconds",
             "Registration arrival to WRITE post (0 when prefill finished later)",
+            seconds,
+        )
+        self.finish_to_handoff_s = histogram(
+            "kvpush:finish_to_handoff_seconds",
+            "Push: vLLM finished the prefill to kvpush's worker thread got it (vLLM's step hop)",
             seconds,
         )
         self.finish_to_write_s = histogram(
@@ -169,6 +175,7 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             ("write_s", self.write_s),
             ("read_s", self.read_s),
             ("reg_to_write_s", self.reg_to_write_s),
+            ("finish_to_handoff_s", self.finish_to_handoff_s),
             ("finish_to_write_s", self.finish_to_write_s),
             ("wait_s", self.wait_s),
         ):

@@ -141,6 +141,7 @@ def test_kvpush_reports_transfers_and_frees_prefill_blocks(
     }
     if deployment.setup == "kvpush-push":  # prefill's share of the handoff
         counters.add((deployment.prefill, "kvpush:finish_to_write_seconds_count"))
+        counters.add((deployment.prefill, "kvpush:finish_to_handoff_seconds_count"))
     before = {key: scrape.total(scrape.scrape(key[0]), key[1]) for key in counters}
     fresh = [f"{deployment.setup} metrics {i}: {prompt}" for i, prompt in enumerate(PROMPTS)]
     for prompt in fresh:  # not seen before: decode's prefix cache holds none of them

@@ -248,7 +248,8 @@ def test_push_prefill_times_its_share_of_the_handoff(
     nodes: Callable[..., tuple[Node, Node]],
 ) -> None:
     """`finish_to_write_s`: from vLLM finishing the prefill (the scheduler's clock, which
-    the host's processes share) to the WRITE posted; forgotten once the blocks are free."""
+    the host's processes share) to the WRITE posted; forgotten once the blocks are free.
+    `finish_to_handoff_s`: the part before the spec reached kvpush's worker."""
     prefill, decode = nodes("push", 4)
     decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
     finished = time.monotonic() - 0.25
@@ -257,6 +258,7 @@ def test_push_prefill_times_its_share_of_the_handoff(
     data = prefill.worker.stats_data()
     assert len(data["finish_to_write_s"]) == len(data["reg_to_write_s"]) == 1
     assert 0.25 <= data["finish_to_write_s"][0] < 5.0
+    assert 0.25 <= data["finish_to_handoff_s"][0] <= data["finish_to_write_s"][0]
     assert not prefill.worker.part.finished_at  # type: ignore[union-attr]
 
 
