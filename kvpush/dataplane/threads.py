@@ -2,19 +2,20 @@
 
 Every kvpush thread in a vLLM process (a part's loop, the control server, the target's
 NIXL progress, the pools of handshakes and messages, the stall watchdog) calls
-`background()` first. By default it moves the calling thread to
-Linux's SCHED_BATCH: same CPU share as before, but waking it never preempts the thread
-that is running. The engine loop wakes kvpush's threads itself (a step's specs handed
-over in `bind_connector_metadata`), and so do control messages and timers; on a core the
-engine already fills, each such wake used to switch to our thread at once, and the
-worker lost its core, sometimes for another process's whole time slice, in the middle of
-vLLM's step (measured on a one-core server: 0.6-2 ms at the 90th percentile of the
-hand-off, 20-35 us with SCHED_BATCH; docs/benchmarks.md). Where a core is free, as on a
-GPU host, the woken thread runs on it at once, as before; on a busy core it runs when the
-engine thread blocks or its slice ends (a few ms at most).
+`background()` first, which applies the process's `thread_policy`:
 
-`thread_policy: "normal"` in kv_connector_extra_config keeps the scheduler's default.
-Elsewhere than Linux both policies are the default.
+- "normal" (the default): the OS's default policy. A woken kvpush thread may preempt the
+  thread running vLLM's step, runs its short work and gives the core back.
+- "batch": Linux's SCHED_BATCH, same CPU share, but waking one never preempts the running
+  thread; it runs when that thread blocks or its slice ends (a few ms at most on a busy
+  core). Less time shows inside the hooks that wake kvpush's threads (measured on a
+  one-core server: 20-35 us at the 90th percentile of the hand-off against 0.6-2 ms),
+  but on servers whose processes share one or two cores decode stepped slower and TTFT
+  and TPOT were higher with it: TPOT higher in 19 of 24 paired benchmark runs
+  (docs/benchmarks.md, "thread policy").
+
+Where a free core is at hand, as on a GPU host, a woken thread runs on it at once under
+either policy. Elsewhere than Linux both policies are the default.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ log = logging.getLogger("kvpush.worker")
 
 POLICIES = ("batch", "normal")
 
-_policy = "batch"  # per process: set once by the node when it starts (`configure`)
+_policy = "normal"  # per process: set once by the node when it starts (`configure`)
 
 
 def configure(policy: str) -> None:

@@ -77,8 +77,9 @@ class KvpushConfig:
     tls_key: str = ""
     tls_ca: str = ""
     # How kvpush's threads share a core with the engine loop (kvpush.dataplane.threads):
-    # "batch" (Linux SCHED_BATCH: waking them never preempts vLLM's threads) or "normal".
-    thread_policy: str = "batch"
+    # "normal" (the OS's default) or "batch" (Linux SCHED_BATCH: waking them never
+    # preempts vLLM's threads).
+    thread_policy: str = "normal"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -182,7 +183,7 @@ class KvpushConfig:
             secret=secret.encode() if secret else None,
             insecure=insecure and secret is None,
             backend=str(extra.get("backend", "UCX")),
-            thread_policy=str(extra.get("thread_policy", "batch")),
+            thread_policy=str(extra.get("thread_policy", "normal")),
             faults=Faults.parse(env.get(FAULTS_ENV, "")),
             control=Limits(**limits),
             **{key: str(extra.get(key, "")) for key in TLS_KEYS},

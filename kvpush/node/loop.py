@@ -112,6 +112,7 @@ class _Watchdog(threading.Thread):
     def __init__(self) -> None:
         super().__init__(name="kvpush-watchdog", daemon=True)
         self.loops: weakref.WeakSet[Loop] = weakref.WeakSet()
+        self.policy = ""  # the thread policy it runs under, once running
 
     @classmethod
     def watch(cls, loop: Loop) -> None:
@@ -122,7 +123,7 @@ class _Watchdog(threading.Thread):
             cls._instance.loops.add(loop)
 
     def run(self) -> None:
-        threads.background()  # it wakes every second, on the engine's cores too
+        self.policy = threads.background()  # it wakes every second, on the engine's cores too
         reported: dict[str, float] = {}
         while True:
             time.sleep(STALL_S / 2)
