@@ -104,7 +104,7 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         self.read_s = histogram("kvpush:read_seconds", "Pull: READ post to completion", seconds)
         self.reg_to_write_s = histogram(
             "kvpush:registration_to_write_seconds",
-            "Registration arrival to WRITE post (0 when prefill finished later)",
+            "Push: registration arrival to WRITE post (about 0 when it came after the prefill)",
             seconds,
         )
         self.finish_to_handoff_s = histogram(
