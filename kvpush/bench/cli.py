@@ -274,7 +274,8 @@ def add_sweep_arguments(
         action="store_true",
         help="also write OUT/trace/<run>.json per run: CPU seconds of every process and busy "
         "thread of each server, of the load generator and of the proxy (over the run and "
-        "every 0.5 s), each server's engine steps per second while requests wait and while "
+        "every 0.5 s), how long each process's threads stood runnable waiting for a core, "
+        "each server's engine steps per second while requests wait and while "
         "they run (from the hook timer, which --trace turns on), when each streamed chunk "
         "reached the client, and every thread's CPU affinity (docs/benchmarks.md)",
     )

@@ -5,7 +5,9 @@ in one burst (docs/benchmarks.md, "Why answers came in one burst"):
 
 - `cpu`: CPU seconds over the run of every process of every server (API server, engine
   core, ...; the top threads of each by name), of the load generator and of the proxy's
-  thread, read from /proc before and after; and `timeline`, the same per process every
+  thread, read from /proc before and after, and how long each process's threads stood
+  runnable without a core (`waited_s`, `threads_waited`: the scheduler's run-queue wait,
+  what a server short of cores shows first); and `timeline`, CPU seconds per process every
   `every` seconds, so a burst can be matched with who had the CPU then;
 - `steps`: each server's engine steps (calls of the connector's `start_load_kv`, from the
   hook timer, which --trace turns on) per interval, with decode's waiting and running
@@ -59,17 +61,32 @@ def cpu_seconds(path: Path) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def runqueue_wait_seconds(path: Path) -> float | None:
+    """How long a thread has stood runnable without a core, in seconds: the second field
+    of its /proc/PID/task/TID/schedstat (None where the kernel keeps no schedstat)."""
+    try:
+        return int(path.read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_cpu(pid: int) -> dict[str, Any]:
-    """One process's CPU seconds so far, in all and per thread (by `tid name`)."""
+    """One process's CPU seconds so far, in all and per thread (by `tid name`), and per
+    thread the time it stood runnable waiting for a core (`waits`)."""
     threads: dict[str, float] = {}
+    waits: dict[str, float] = {}
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{pid}/task").iterdir():
             parsed = _stat_fields(task / "stat")
             seconds = cpu_seconds(task / "stat")
             if parsed is not None and seconds is not None:
-                threads[f"{task.name} {parsed[0]}"] = seconds
+                name = f"{task.name} {parsed[0]}"
+                threads[name] = seconds
+                waited = runqueue_wait_seconds(task / "schedstat")
+                if waited is not None:
+                    waits[name] = waited
     total = cpu_seconds(Path(f"/proc/{pid}/stat"))
-    return {"name": command_name(pid), "seconds": total, "threads": threads}
+    return {"name": command_name(pid), "seconds": total, "threads": threads, "waits": waits}
 
 
 def tree_cpu(root: int) -> dict[int, dict[str, Any]]:
@@ -78,26 +95,36 @@ def tree_cpu(root: int) -> dict[int, dict[str, Any]]:
 
 def cpu_delta(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]) -> list[Any]:
     """Per process (parents first), its CPU seconds between two `tree_cpu` readings and its
-    busiest threads."""
+    busiest threads; and how long its threads stood runnable without a core (`waited_s`,
+    all threads; `threads_waited`, the threads that waited longest)."""
     out = []
     for pid, now in after.items():
         then = before.get(pid, {"seconds": 0.0, "threads": {}})
         if now["seconds"] is None:
             continue
-        threads = {
-            name: round(seconds - then["threads"].get(name, 0.0), 3)
-            for name, seconds in now["threads"].items()
-        }
-        busiest = dict(sorted(threads.items(), key=lambda kv: -kv[1])[:TOP_THREADS])
+        threads = _deltas(now["threads"], then["threads"])
+        waits = _deltas(now.get("waits", {}), then.get("waits", {}))
         out.append(
             {
                 "pid": pid,
                 "name": now["name"],
                 "cpu_s": round(now["seconds"] - (then["seconds"] or 0.0), 3),
-                "threads": {k: v for k, v in busiest.items() if v > 0},
+                "threads": _top(threads),
+                "waited_s": round(sum(waits.values()), 3),
+                "threads_waited": _top(waits),
             }
         )
     return out
+
+
+def _deltas(now: dict[str, float], then: dict[str, float]) -> dict[str, float]:
+    return {name: round(value - then.get(name, 0.0), 3) for name, value in now.items()}
+
+
+def _top(values: dict[str, float]) -> dict[str, float]:
+    """The TOP_THREADS largest positive values, largest first."""
+    largest = sorted(values.items(), key=lambda kv: -kv[1])[:TOP_THREADS]
+    return {name: value for name, value in largest if value > 0}
 
 
 def read_ledger_steps(directory: Path) -> tuple[float, int] | None:
@@ -184,7 +211,9 @@ class Tracer:
         for role, procs in reading.items():
             self.first.setdefault(role, {})
             for pid, proc in procs.items():
-                self.first[role].setdefault(pid, {**proc, "seconds": 0.0, "threads": {}})
+                self.first[role].setdefault(
+                    pid, {**proc, "seconds": 0.0, "threads": {}, "waits": {}}
+                )
         for role, procs in reading.items():
             # merged, not replaced: a process that has exited (the load generator, at the
             # end of its run) keeps its last reading instead of dropping out of the totals

@@ -1,8 +1,10 @@
 """`kvpush bench sweep --trace`'s chunk timestamps at the proxy, through a real proxy in
-front of stub backends, and how a burst is told apart at the proxy and at the client."""
+front of stub backends, how a burst is told apart at the proxy and at the client, and the
+CPU and run-queue wait it reads from /proc."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvpush.bench.trace import Tracer, burst_shares, proxy_chunk_times
+from kvpush.bench.trace import Tracer, burst_shares, cpu_delta, proxy_chunk_times, tree_cpu
 from kvpush.proxy.config import ProxyConfig
 from kvpush.proxy.rewrite import Backend
 from kvpush.proxy.server import PROXY_KEY, start_proxy
@@ -82,3 +84,25 @@ def test_a_client_that_exits_before_the_run_ends_keeps_its_cpu_seconds(tmp_path:
     traced = tracer.result(None, [], [], [])
     (process,) = traced["cpu"]["client"]
     assert process["cpu_s"] >= 0.2
+
+
+def test_processes_that_share_one_core_show_their_wait_for_it() -> None:
+    """Two busy processes confined to one core take turns on it: each stands runnable
+    without the core about as long as it runs, and the trace says so."""
+    core = min(os.sched_getaffinity(0))
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    both = f"{sys.executable} -c '{burn}' & {sys.executable} -c '{burn}'; wait"
+    parent = subprocess.Popen(
+        ["sh", "-c", both], preexec_fn=lambda: os.sched_setaffinity(0, {core})
+    )
+    time.sleep(0.05)
+    before = tree_cpu(parent.pid)
+    last = before
+    while parent.poll() is None:  # the last reading before the burners exit
+        last = tree_cpu(parent.pid)
+        time.sleep(0.02)
+    burners = [p for p in cpu_delta(before, last) if p["cpu_s"] >= 0.1]
+    assert len(burners) == 2, cpu_delta(before, last)
+    for process in burners:
+        assert process["waited_s"] >= 0.05, process
+        assert process["threads_waited"], process
