@@ -5,6 +5,7 @@ CPU and run-queue wait it reads from /proc."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -90,19 +91,31 @@ def test_processes_that_share_one_core_show_their_wait_for_it() -> None:
     """Two busy processes confined to one core take turns on it: each stands runnable
     without the core about as long as it runs, and the trace says so."""
     core = min(os.sched_getaffinity(0))
-    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    # each burns 0.3 s of CPU, then stays alive (asleep), so a reading taken after both
+    # burned still finds them in the tree, however slowly the box started them
+    burn = (
+        "import time\nend = time.process_time() + 0.3\n"
+        "while time.process_time() < end: pass\ntime.sleep(30)"
+    )
     both = f"{sys.executable} -c '{burn}' & {sys.executable} -c '{burn}'; wait"
     parent = subprocess.Popen(
-        ["sh", "-c", both], preexec_fn=lambda: os.sched_setaffinity(0, {core})
+        ["sh", "-c", both],
+        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+        start_new_session=True,
     )
-    time.sleep(0.05)
-    before = tree_cpu(parent.pid)
-    last = before
-    while parent.poll() is None:  # the last reading before the burners exit
-        last = tree_cpu(parent.pid)
-        time.sleep(0.02)
-    burners = [p for p in cpu_delta(before, last) if p["cpu_s"] >= 0.1]
-    assert len(burners) == 2, cpu_delta(before, last)
+    try:
+        before = tree_cpu(parent.pid)
+        deadline = time.monotonic() + 20
+        burners: list[dict[str, object]] = []
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            burners = [p for p in cpu_delta(before, tree_cpu(parent.pid)) if p["cpu_s"] >= 0.25]
+            if len(burners) == 2:
+                break
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+    assert len(burners) == 2, burners
     for process in burners:
         assert process["waited_s"] >= 0.05, process
         assert process["threads_waited"], process
