@@ -26,6 +26,9 @@ vLLM moves"):
 - sweep-decode-first-reference/: in vLLM's order, 54 of 54 ok;
 - profile-reference.json: `kvpush plan measure`, 2026-12-02 09:27-09:31 at 94c986a, the
   proxy's added latency measured just before it.
+On a third host (2-core Intel Xeon, AVX-512), sweep-intel/: the same command, 2026-12-03
+16:53-17:56 at 1ca3bf8, 90 of 90 ok (docs/benchmarks.md); no profile measured there, so
+not checked here.
 Within 25 % at 8 of 72 and 9 of 54 point-metrics, every prediction low; the sweep's TPOT
 (each token through the proxy and the client, floating over both cores) is what the probes
 miss most (docs/planning.md, "The reference sweeps, vLLM's prefill on its own core").
