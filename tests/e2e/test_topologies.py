@@ -270,7 +270,8 @@ def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
         moved = sum(totals(decodes, EXTERNAL, source="external_kv_transfer")) - before
         assert moved == answer["usage"]["prompt_tokens"], (setup, prompt)
     for url in [*prefill_urls(deployment, case), *decodes]:
-        assert scrape.total(scrape.scrape(url), "kvpush:failures_total") == 0, url
+        failures = scrape.total(scrape.scrape(url), "kvpush:failures_total")
+        assert failures == 0, f"{url}: {failures:.0f} failures\n{log_excerpt(running.work)}"
     if case.logs_say:
         logs = sorted(running.work.glob("**/logs/*.log"))
         said = [log.name for log in logs if case.logs_say in log.read_text(errors="replace")]

@@ -3,7 +3,8 @@
 One deployment per kvpush mode (`kvpush up`, as a user starts it) with prefix caching on
 (vLLM's default), prefill chunking prompts at 256 tokens (`--max-num-batched-tokens`), and
 a decode KV cache of 10 blocks (of 128 tokens) so that a burst preempts running requests.
-Every answer must equal the reference's at temperature 0, and vLLM's own counters must show
+Every answer must equal the reference's at temperature 0 (the long preempted ones: or be
+the reference's greedy choice token by token), and vLLM's own counters must show
 what moved: decode's prompt tokens by source (`local_cache_hit`, `external_kv_transfer`,
 `local_compute`).
 
@@ -33,8 +34,8 @@ SOURCES = "vllm:prompt_tokens_by_source_total"
 MODE_PORTS = {"kvpush-push": (BASE_PORT + 70, KV_PORT + 70),
               "kvpush-pull": (BASE_PORT + 80, KV_PORT + 80)}  # fmt: skip
 MAX_MODEL_LEN = 1024
-# float32: vLLM's CPU kernels give the same answer alone, batched or after a preemption
-# (bf16 rounds a batched step differently and long answers drift apart)
+# float32: vLLM's CPU kernels give the same short answers alone or batched (bf16 rounds a
+# batched step differently and answers drift apart); long ones may still flip a near-tie
 MODEL = TinyModelSpec(heads=8, kv_heads=4, head_dim=64, dtype="float32")
 ARGS = (
     "--max-model-len", str(MAX_MODEL_LEN),
@@ -200,23 +201,66 @@ def prompt_of(defaults: Defaults, tokens: int, offset: int) -> str:
         words += 1
 
 
+# How far below the reference's best a generated token's log-probability may be: float32
+# sums in another order (a batch of another size, a recompute in one chunk instead of
+# prefill's 256-token chunks) flip only a near-tie. On a 2-core Intel host 5 of 8 answers
+# left the reference's alone answer, and every token of them was exactly the teacher-forced
+# greedy choice (0 nats); a wrong token lies more than 0.1 nats below (checked each run).
+TIE_NATS = 1e-3
+
+
+def below_best(defaults: Defaults, prompt_ids: list[int], answer_ids: list[int]) -> list[float]:
+    """Teacher-forced check of a greedy answer: the reference reads prompt + answer in one
+    request and reports, at every answer position, the token's log-probability and the
+    best one's. Returns, per answer token, how many nats it lies below the best (0: it is
+    the reference's greedy choice)."""
+    body = {"model": str(defaults.model), "prompt": prompt_ids + answer_ids, "max_tokens": 1,
+            "temperature": 0, "prompt_logprobs": 1, "cache_salt": "reference"}  # fmt: skip
+    positions = defaults.ask(defaults.reference, "/v1/completions", body)["choices"][0]
+    gaps = []
+    for i, token in enumerate(answer_ids):
+        ranked = positions["prompt_logprobs"][len(prompt_ids) + i]
+        best = max(entry["logprob"] for entry in ranked.values())
+        gaps.append(best - ranked[str(token)]["logprob"])
+    return gaps
+
+
 @pytest.mark.parametrize("setup", SETUPS)
 def test_preempted_decodes_recompute_and_answer_right(defaults: Defaults, setup: str) -> None:
     """Eight requests of 380 prompt and 300 output tokens (3 growing to 6 blocks each) in
     decode's 9 usable blocks: running requests run out of blocks and are preempted, then
-    recomputed. The model is float32: a single vLLM server then answers the same whether
-    requests run alone, batched or preempted (checked), so the text is a fair oracle."""
+    recomputed. The oracle is the reference's answer alone; where an answer leaves it (on
+    some CPUs a float32 sum in another order flips a near-tie tens of tokens in, and from
+    there the texts differ), every token of the answer must still be the reference's
+    greedy choice given the tokens before it (`below_best`)."""
     d = defaults.deployments[setup]
     prompts = [prompt_of(defaults, 380, 10 + i) for i in range(8)]
-    bodies = [completion(defaults.model, p, max_tokens=300) for p in prompts]
-    want = [defaults.expect("/v1/completions", b) for b in bodies]
+    with_ids = {"return_token_ids": True}
+    bodies = [{**completion(defaults.model, p, max_tokens=300), **with_ids} for p in prompts]
+    want = [defaults.expect("/v1/completions", b)["choices"][0] for b in bodies]
     preempted = scrape.total(scrape.scrape(d.decode), "vllm:num_preemptions_total")
     with ThreadPoolExecutor(len(bodies)) as pool:
         got = list(pool.map(lambda b: defaults.ask(d.proxy, "/v1/completions", b), bodies))
+    left, worst = [], 0.0
     for g, w in zip(got, want, strict=True):
-        assert g["choices"][0]["text"] == w["choices"][0]["text"]
+        answer = g["choices"][0]
+        assert len(answer["token_ids"]) == 300, answer
+        if answer["token_ids"] != w["token_ids"]:
+            pairs = zip(answer["token_ids"], w["token_ids"], strict=True)
+            left.append(next(i for i, (a, b) in enumerate(pairs) if a != b))
+            gaps = below_best(defaults, w["prompt_token_ids"], answer["token_ids"])
+            worst = max(worst, *gaps)
+            assert max(gaps) <= TIE_NATS, f"token {gaps.index(max(gaps))}: {max(gaps):.5f} nats"
+    # the check itself tells a wrong token: one swapped in lies far below the best
+    wrong = list(want[0]["token_ids"])
+    wrong[50] = next(t for t in want[0]["prompt_token_ids"] if t != wrong[50])
+    assert below_best(defaults, want[0]["prompt_token_ids"], wrong)[50] > 100 * TIE_NATS
     more = scrape.total(scrape.scrape(d.decode), "vllm:num_preemptions_total") - preempted
     assert more > 0, "the burst did not preempt anything: the test proves nothing"
     for side in (d.prefill, d.decode):
         assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
-    print(f"\n{setup}: {more:.0f} preemptions on decode, every answer right")
+    print(
+        f"\n{setup}: {more:.0f} preemptions on decode, {len(bodies) - len(left)} answers equal "
+        f"the reference's; {len(left)} left it at a near-tie (at tokens {left}) and stayed greedy "
+        f"(every token within {worst:.1e} nats of the reference's best)"
+    )
