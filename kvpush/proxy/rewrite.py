@@ -140,7 +140,12 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
         elif isinstance(item, int):
             total += 1
         elif isinstance(item, list):
-            stack.extend(item)
+            if item and type(item[0]) is int:
+                # one prompt's token ids: counted by length, not id by id, which held
+                # the proxy's event loop 2.4 ms for a 16k-token prompt (0.04 for 256)
+                total += len(item)
+            else:
+                stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(item.get(key) for key in ("content", "text") if key in item)
     return max(total, 1)

@@ -189,6 +189,8 @@ def test_vllm_metrics_are_summed_over_engines() -> None:
 def test_prompt_size_is_estimated_from_text_token_ids_and_chat() -> None:
     assert rewrite.estimate_prompt_tokens({"prompt": "x" * 400}) == 100
     assert rewrite.estimate_prompt_tokens({"prompt": list(range(37))}) == 37
+    assert rewrite.estimate_prompt_tokens({"prompt": [list(range(5)), list(range(7))]}) == 12
+    assert rewrite.estimate_prompt_tokens({"prompt": ["abcd", list(range(3))]}) == 4
     assert rewrite.estimate_prompt_tokens({"prompt": ["abcd", "efgh"]}) == 2
     chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 80}]}]}
     assert rewrite.estimate_prompt_tokens(chat) == 20
