@@ -490,7 +490,9 @@ def run_setup(
             warmed.update(ledgers())
 
         with confined(topology.client_cores):
-            report = asyncio.run(
+            from kvpush.proxy.server import run_proxy_loop
+
+            report = run_proxy_loop(
                 _drive(
                     topology,
                     setup,

@@ -210,7 +210,9 @@ class ProxyThread:
         self.log_path = topology.config.workdir / "logs" / "proxy.log"
         self.logger = logging.getLogger("kvpush.proxy")
         self.handler: logging.Handler | None = None
-        self.loop = asyncio.new_event_loop()
+        from kvpush.proxy.server import new_event_loop  # imported when used: see topology_proxy
+
+        self.loop = new_event_loop()  # the loop `kvpush proxy` serves on
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.runner: Any = None
@@ -291,6 +293,9 @@ class ProxyThread:
 # -- metrics around a run ------------------------------------------------------------------
 
 
+QUEUES = ("vllm:num_requests_waiting", "vllm:num_requests_running")
+
+
 class QueueSampler:
     """Samples decode's waiting and running queues twice a second during a run."""
 
@@ -313,7 +318,8 @@ class QueueSampler:
     def _loop(self) -> None:
         while not self.stop.wait(self.every):
             with contextlib.suppress(OSError, ValueError):
-                samples = scrape.scrape(self.url, timeout=2.0)
+                # only the two gauges parsed: this thread shares the GIL with the proxy's
+                samples = scrape.scrape(self.url, timeout=2.0, only=QUEUES)
                 self.waiting.append(scrape.total(samples, "vllm:num_requests_waiting"))
                 self.running.append(scrape.total(samples, "vllm:num_requests_running"))
                 self.times.append(time.monotonic())

@@ -417,7 +417,9 @@ def measure_setup(spec: MeasureSpec, setup: str, say: Say) -> SetupProbe:
         took = topology.wait_healthy(spec.pair.startup_timeout, StartupProgress(f"[{setup}] "))
         say(f"  [{setup}] servers healthy after {took:.0f} s{topology.moved_back_note()}")
         with confined(topology.client_cores):
-            probe = asyncio.run(Prober(spec, topology, say).run(setup))
+            from kvpush.proxy.server import run_proxy_loop
+
+            probe = run_proxy_loop(Prober(spec, topology, say).run(setup))
     except StartupError as exc:
         raise PlannerError(f"{setup}: servers did not start: {str(exc).splitlines()[0]}") from None
     except (aiohttp.ClientError, TimeoutError) as exc:

@@ -16,8 +16,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -44,6 +44,7 @@ from kvpush.proxy.relay import Relay
 from kvpush.proxy.rewrite import RequestError
 
 log = logging.getLogger("kvpush.proxy")
+T = TypeVar("T")
 
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("kvpush.proxy")
 ROUTES = (
@@ -321,6 +322,23 @@ async def start_proxy(config: ProxyConfig, host: str, port: int) -> web.AppRunne
         await runner.cleanup()  # the health checks started with the app; stop them
         raise
     return runner
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A fresh event loop of the kind `kvpush proxy` serves on: uvloop's when installed.
+    Everything that hosts the proxy in-process (`kvpush up`, the benchmarks) runs it on
+    this, so what they measure is the proxy users deploy."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run_proxy_loop(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)` on `new_event_loop()`: for code that serves the proxy in-process."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
 
 
 def use_uvloop() -> None:

@@ -10,9 +10,13 @@ _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def parse(text: str) -> dict[Sample, float]:
+def parse(text: str, only: tuple[str, ...] = ()) -> dict[Sample, float]:
+    """Every sample in `text`; with `only`, just those whose name starts with one of them
+    (other lines are skipped unparsed: a vLLM server's /metrics is ~80 KB)."""
     samples: dict[Sample, float] = {}
     for line in text.splitlines():
+        if only and not line.startswith(only):
+            continue
         match = _LINE.match(line)
         if not match or line.startswith("#"):
             continue
@@ -25,9 +29,9 @@ def parse(text: str) -> dict[Sample, float]:
     return samples
 
 
-def scrape(url: str, timeout: float = 5.0) -> dict[Sample, float]:
+def scrape(url: str, timeout: float = 5.0, only: tuple[str, ...] = ()) -> dict[Sample, float]:
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
-        return parse(resp.read().decode())
+        return parse(resp.read().decode(), only)
 
 
 def total(samples: dict[Sample, float], name: str, **labels: str) -> float:

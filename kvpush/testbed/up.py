@@ -236,7 +236,9 @@ def _run(topology: Topology, args: argparse.Namespace) -> int:
         if topology.config.pin:
             print(confinement(topology), flush=True)
         with confined(topology.client_cores):
-            return asyncio.run(_serve(topology, args))
+            from kvpush.proxy.server import run_proxy_loop
+
+            return run_proxy_loop(_serve(topology, args))
     except StartupError as exc:
         print(f"\nkvpush up: {exc}\nstopping everything that was started.", file=sys.stderr)
         return 1

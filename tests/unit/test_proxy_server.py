@@ -319,3 +319,19 @@ async def test_clients_cannot_set_the_proxys_vllm_xargs(rig: Rig) -> None:
     assert ok.status == 200
     await ok.read()
     assert rig.decode.received[-1][1]["vllm_xargs"]["mine"] == 1
+
+
+def test_an_in_process_proxy_serves_on_the_loop_kvpush_proxy_uses() -> None:
+    """`kvpush up` and the benchmarks host the proxy in-process through `run_proxy_loop`:
+    what they measure is the proxy on uvloop, as `kvpush proxy` deploys it."""
+    uvloop = pytest.importorskip("uvloop")
+    from kvpush.proxy.server import run_proxy_loop
+
+    async def one_request() -> tuple[asyncio.AbstractEventLoop, Any]:
+        async for rig in make_rig("push"):
+            answer = await (await rig.post(BODY)).json()
+        return asyncio.get_running_loop(), answer
+
+    loop, answer = run_proxy_loop(one_request())
+    assert isinstance(loop, uvloop.Loop)
+    assert answer["choices"][0]["text"]
