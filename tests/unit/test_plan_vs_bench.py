@@ -30,7 +30,10 @@ On a third host (2-core Intel Xeon, AVX-512), sweep-intel/: the same command, 20
 16:53-17:56 at 1ca3bf8, 90 of 90 ok (docs/benchmarks.md); profile-intel.json: `kvpush plan
 measure` there, 2026-12-04 03:39-03:45 at 1d0cdf0, the proxy's added latency from `kvpush
 proxy bench --streams 1` run just before it (0.38 ms pull, 1.77 ms push). Within 25 % at
-24 of 72 point-metrics, every prediction low.
+24 of 72 point-metrics, every prediction low. sweep-intel-uvloop/: the same command there
+again, 2026-12-04 06:29-07:17 at cb1e764 (the sweep's proxy on uvloop, as deployed), 90 of
+90 ok; profile-intel-uvloop.json: `kvpush plan measure` there right after it, 07:18-07:24,
+the same proxy hops. Within 25 % at 30 of 72 point-metrics, every prediction low.
 Within 25 % at 8 of 72 and 9 of 54 point-metrics, every prediction low; the sweep's TPOT
 (each token through the proxy and the client, floating over both cores) is what the probes
 miss most (docs/planning.md, "The reference sweeps, vLLM's prefill on its own core").
@@ -428,6 +431,79 @@ INTEL_ONE_BURST: dict[Point, float] = {
 }
 
 
+# The same host's reference sweep again after cb1e764 (sweep-intel-uvloop: the benchmarks'
+# proxy on uvloop, as `kvpush proxy` serves it), against profile-intel-uvloop.json measured
+# there right after it: every point predicted low, TTFT 15-47 %.
+INTEL_UVLOOP_ACHIEVED: dict[Point, Errors] = {
+    ("kvpush-pull", 256, 1): (-0.343, -0.185, -0.203),
+    ("kvpush-pull", 256, 2): (-0.46, -0.4, -0.425),
+    ("kvpush-pull", 256, 4): (-0.469, -0.507, -0.506),
+    ("kvpush-pull", 1024, 1): (-0.249, -0.224, -0.288),
+    ("kvpush-pull", 1024, 2): (-0.277, -0.214, -0.224),
+    ("kvpush-pull", 1024, 4): (-0.416, -0.377, -0.411),
+    ("kvpush-push", 256, 1): (-0.308, -0.223, -0.234),
+    ("kvpush-push", 256, 2): (-0.372, -0.242, -0.241),
+    ("kvpush-push", 256, 4): (-0.288, -0.154, -0.176),
+    ("kvpush-push", 1024, 1): (-0.169, -0.116, -0.123),
+    ("kvpush-push", 1024, 2): (-0.268, -0.263, -0.279),
+    ("kvpush-push", 1024, 4): (-0.268, -0.222, -0.279),
+    ("vllm-pull", 256, 1): (-0.379, -0.251, -0.276),
+    ("vllm-pull", 256, 2): (-0.298, -0.132, -0.173),
+    ("vllm-pull", 256, 4): (-0.328, -0.298, -0.324),
+    ("vllm-pull", 1024, 1): (-0.268, -0.267, -0.287),
+    ("vllm-pull", 1024, 2): (-0.221, -0.164, -0.172),
+    ("vllm-pull", 1024, 4): (-0.335, -0.115, -0.154),
+    ("vllm-pull-nospin", 256, 1): (-0.304, -0.156, -0.187),
+    ("vllm-pull-nospin", 256, 2): (-0.367, -0.344, -0.355),
+    ("vllm-pull-nospin", 256, 4): (-0.412, -0.348, -0.369),
+    ("vllm-pull-nospin", 1024, 1): (-0.153, -0.246, -0.214),
+    ("vllm-pull-nospin", 1024, 2): (-0.25, -0.438, -0.406),
+    ("vllm-pull-nospin", 1024, 4): (-0.24, -0.343, -0.311),
+}
+INTEL_UVLOOP_WITHIN_25: dict[str, set[Point]] = {
+    "ttft": {
+        ("kvpush-pull", 1024, 1),
+        ("kvpush-push", 1024, 1),
+        ("vllm-pull", 1024, 2),
+        ("vllm-pull-nospin", 1024, 1),
+        ("vllm-pull-nospin", 1024, 2),
+        ("vllm-pull-nospin", 1024, 4),
+    },
+    "tpot": {
+        ("kvpush-pull", 256, 1),
+        ("kvpush-pull", 1024, 1),
+        ("kvpush-pull", 1024, 2),
+        ("kvpush-push", 256, 1),
+        ("kvpush-push", 256, 2),
+        ("kvpush-push", 256, 4),
+        ("kvpush-push", 1024, 1),
+        ("kvpush-push", 1024, 4),
+        ("vllm-pull", 256, 2),
+        ("vllm-pull", 1024, 2),
+        ("vllm-pull", 1024, 4),
+        ("vllm-pull-nospin", 256, 1),
+        ("vllm-pull-nospin", 1024, 1),
+    },
+    "e2el": {
+        ("kvpush-pull", 256, 1),
+        ("kvpush-pull", 1024, 2),
+        ("kvpush-push", 256, 1),
+        ("kvpush-push", 256, 2),
+        ("kvpush-push", 256, 4),
+        ("kvpush-push", 1024, 1),
+        ("vllm-pull", 256, 2),
+        ("vllm-pull", 1024, 2),
+        ("vllm-pull", 1024, 4),
+        ("vllm-pull-nospin", 256, 1),
+        ("vllm-pull-nospin", 1024, 1),
+    },
+}
+INTEL_UVLOOP_ONE_BURST: dict[Point, float] = {
+    ("kvpush-push", 256, 1): 0.0,
+    ("kvpush-push", 1024, 4): 0.0,
+    ("vllm-pull-nospin", 1024, 4): 0.0,
+}
+
 @dataclass(frozen=True)
 class Recorded:
     """A recorded sweep, the profile measured on its host, and what the check achieved."""
@@ -456,6 +532,12 @@ RECORDED: dict[str, Recorded] = {
         REFERENCE_ONE_BURST,
     ),
     "sweep-intel": Recorded("profile-intel.json", INTEL_ACHIEVED, INTEL_WITHIN_25, INTEL_ONE_BURST),
+    "sweep-intel-uvloop": Recorded(
+        "profile-intel-uvloop.json",
+        INTEL_UVLOOP_ACHIEVED,
+        INTEL_UVLOOP_WITHIN_25,
+        INTEL_UVLOOP_ONE_BURST,
+    ),
 }
 CASES = [
     (sweep, point) for sweep, rec in sorted(RECORDED.items()) for point in sorted(rec.achieved)
