@@ -293,7 +293,7 @@ class ProxyThread:
 # -- metrics around a run ------------------------------------------------------------------
 
 
-QUEUES = ("vllm:num_requests_waiting", "vllm:num_requests_running")
+WAITING, RUNNING = QUEUES = ("vllm:num_requests_waiting", "vllm:num_requests_running")
 
 
 class QueueSampler:
@@ -320,8 +320,8 @@ class QueueSampler:
             with contextlib.suppress(OSError, ValueError):
                 # only the two gauges parsed: this thread shares the GIL with the proxy's
                 samples = scrape.scrape(self.url, timeout=2.0, only=QUEUES)
-                self.waiting.append(scrape.total(samples, "vllm:num_requests_waiting"))
-                self.running.append(scrape.total(samples, "vllm:num_requests_running"))
+                self.waiting.append(scrape.total(samples, WAITING))
+                self.running.append(scrape.total(samples, RUNNING))
                 self.times.append(time.monotonic())
 
     def summary(self) -> dict[str, Any]:

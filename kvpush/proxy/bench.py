@@ -205,11 +205,10 @@ async def drive(
 
 
 def _serve_stubs(conn: Connection, tokens: int, token_gap: float) -> None:
-    from kvpush.proxy.server import use_uvloop
+    from kvpush.proxy.server import run_proxy_loop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
-    use_uvloop()
-    asyncio.run(_stubs(conn, tokens, token_gap))
+    run_proxy_loop(_stubs(conn, tokens, token_gap))
 
 
 async def _stubs(conn: Connection, tokens: int, token_gap: float) -> None:
@@ -223,11 +222,10 @@ async def _stubs(conn: Connection, tokens: int, token_gap: float) -> None:
 
 
 def _serve_proxy(conn: Connection, mode: str, prefill_url: str, decode_url: str) -> None:
-    from kvpush.proxy.server import use_uvloop
+    from kvpush.proxy.server import run_proxy_loop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    use_uvloop()
-    asyncio.run(_proxy(conn, mode, prefill_url, decode_url))
+    run_proxy_loop(_proxy(conn, mode, prefill_url, decode_url))
 
 
 async def _proxy(conn: Connection, mode: str, prefill_url: str, decode_url: str) -> None:
@@ -278,6 +276,8 @@ def cpu_seconds(pid: int | None) -> float:
 
 def measure(spec: BenchSpec, progress: Callable[[str], None]) -> tuple[list[Row], Row]:
     """Start stubs and proxy, run every concurrency both ways; the last row is throughput."""
+    from kvpush.proxy.server import run_proxy_loop  # the load runs on the proxy's loop too
+
     children: list[_Child] = []
     try:
         stubs = _Child(_serve_stubs, spec.tokens, spec.token_gap)
@@ -299,7 +299,7 @@ def measure(spec: BenchSpec, progress: Callable[[str], None]) -> tuple[list[Row]
                 for side, url in (("direct", direct), ("proxy", through)):
                     cpu = cpu_seconds(proxy.process.pid)
                     leg = first_leg if side == "direct" else None
-                    run = asyncio.run(drive(url, streams, spec, throughput, leg))
+                    run = run_proxy_loop(drive(url, streams, spec, throughput, leg))
                     if side == "proxy":
                         run = dataclasses.replace(
                             run, proxy_cpu=cpu_seconds(proxy.process.pid) - cpu
@@ -469,9 +469,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpush proxy bench: {exc}", file=sys.stderr)
         return 2
-    from kvpush.proxy.server import use_uvloop
-
-    use_uvloop()
     load = os.getloadavg()[0]
     runs = (len(spec.streams) + 1) * 2 * spec.repeats
     print(

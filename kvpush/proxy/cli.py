@@ -294,10 +294,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpush proxy: {exc} (see kvpush proxy -h)", file=sys.stderr)
         return 2
-    from kvpush.proxy.server import use_uvloop
+    from kvpush.proxy.server import run_proxy_loop
 
-    use_uvloop()
-    return asyncio.run(_serve(config, args.host, args.port))
+    return run_proxy_loop(_serve(config, args.host, args.port))
 
 
 def describe(config: Any) -> str:

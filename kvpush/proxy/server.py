@@ -336,16 +336,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def run_proxy_loop(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)` on `new_event_loop()`: for code that serves the proxy in-process."""
+    """`asyncio.run(main)` on `new_event_loop()`: how every kvpush tool runs the proxy (and
+    the `kvpush proxy bench` stubs and load), in its own process or in-process."""
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(main)
-
-
-def use_uvloop() -> None:
-    """Run asyncio on uvloop when it is installed (faster parsing and scheduling)."""
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
