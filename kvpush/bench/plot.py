@@ -180,7 +180,8 @@ def table(rows: Sequence[Aggregate]) -> str:
     """The per-point table with ratios to the best vLLM connector, and what its marks mean."""
     columns = [col for col, _, _ in ratio_columns(rows)]
     header = ["in", "qps", "setup", "result", "TTFT p50", "TTFT p99", "2nd token p50"]
-    header += ["TPOT p50", "TPOT p99", "decode step", "req/s", "1 burst", "late", *columns]
+    header += ["TTFT mean", "at servers", "TPOT p50", "TPOT p99", "decode step", "req/s"]
+    header += ["1 burst", "late", *columns]
     cells = []
     for line in lines(rows):
         r = line.row
@@ -191,6 +192,8 @@ def table(rows: Sequence[Aggregate]) -> str:
                 r.setup,
                 result_cell(r),
                 *(_ms(v, r.partial) for v in (r.ttft_p50, r.ttft_p99, r.tt2t_p50)),
+                _ms(r.ttft_mean, r.partial),
+                "-" if r.servers_ttft_ms is None else f"{r.servers_ttft_ms:.1f}",
                 *(_ms(v, r.partial) for v in (r.tpot_p50, r.tpot_p99)),
                 "-" if r.decode_step_ms is None else f"{r.decode_step_ms:.1f}",
                 "-" if r.throughput is None else f"{r.throughput:.2f}",
@@ -206,6 +209,10 @@ def table(rows: Sequence[Aggregate]) -> str:
         "X/vLLM: this setup's p50 divided by the best vLLM connector as shipped "
         f"({', '.join(SHIPPED)}) at that point, ok in every run if one was; "
         "below 1.00x is better",
+        "TTFT mean: the client's; at servers: the servers' own share of it (vLLM's "
+        "arrival-to-first-token means on the server that sends the first token, with "
+        "prefill's one-token leg added for pull from decode), median over runs; the rest "
+        "is the proxy's and the client's, waits for a core included",
         "decode step: decode's engine's mean time per token over the run (vLLM's "
         "inter-token histogram on the decode server, or the single server), median over "
         "runs: TPOT without the proxy and the client",
@@ -261,6 +268,8 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
             "late_tokens",
             "tt2t_p50_ms",
             "decode_step_ms",
+            "ttft_mean_ms",
+            "servers_ttft_ms",
             *(col.replace("/", "_vs_").lower() for col in columns),
             *(col.replace("/", "_vs_").lower() + "_shaky" for col in columns),
         ]
@@ -290,6 +299,8 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
                 number(r.late_tokens),
                 number(r.tt2t_p50),
                 number(r.decode_step_ms),
+                number(r.ttft_mean),
+                number(r.servers_ttft_ms),
                 *(number(x.value) for x in ratios),
                 *(int(x.shaky) for x in ratios),
             ]

@@ -295,11 +295,43 @@ def late_count(arrivals: Sequence[float], step: float, steps: float = LATE_STEPS
 
 def engine_step_ms(deltas: dict[str, float] | None) -> float | None:
     """Decode's mean time between a request's tokens in the engine over a run (ms)."""
+    return histogram_mean_ms(deltas, "vllm:inter_token_latency_seconds")
+
+
+def histogram_mean_ms(deltas: dict[str, float] | None, name: str) -> float | None:
+    """The mean of histogram `name` over a run (ms) from its _sum and _count deltas."""
     if not deltas:
         return None
-    count = delta_total(deltas, "vllm:inter_token_latency_seconds_count")
-    total = delta_total(deltas, "vllm:inter_token_latency_seconds_sum")
+    count = delta_total(deltas, f"{name}_count")
+    total = delta_total(deltas, f"{name}_sum")
     return total / count * 1e3 if count > 0 else None
+
+
+def servers_ttft_ms(result: dict[str, Any]) -> float | None:
+    """The servers' own share of a run's TTFT (ms, means over its requests), from vLLM's
+    front-end histograms (arrival to first token, arrival to end) scraped around it.
+
+    Where the first token comes from: single, its TTFT; prefill (kvpush's default), prefill's
+    TTFT; decode in push mode, decode's TTFT (which holds the wait for the KV); decode in
+    pull mode, prefill's whole one-token leg and then decode's TTFT, which the proxy runs one
+    after the other. The client's mean TTFT less this is the proxy's and the client's share:
+    their time on the way in and out and any wait for a core. None for runs recorded without
+    these histograms."""
+    metrics = result.get("metrics") or {}
+    ttft = "vllm:time_to_first_token_seconds"
+    if "single" in metrics:
+        return histogram_mean_ms(metrics["single"], ttft)
+    source = result.get("first_token")
+    if source == "prefill":
+        return histogram_mean_ms(metrics.get("prefill"), ttft)
+    decode = histogram_mean_ms(metrics.get("decode"), ttft)
+    from kvpush.testbed.topology import SETUPS  # here: only this case needs the setups
+
+    setup = SETUPS.get(str(result.get("setup")))
+    if decode is None or setup is None or setup.proxy_mode == "push":
+        return decode
+    leg = histogram_mean_ms(metrics.get("prefill"), "vllm:e2e_request_latency_seconds")
+    return None if leg is None else leg + decode
 
 
 def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:
@@ -398,6 +430,9 @@ class Aggregate:
     tt2t_p50: float | None = None  # time to the second token (`second_token()`)
     # decode's engine's mean time per token (`engine_step_ms`): TPOT less proxy and client
     decode_step_ms: float | None = None
+    # the client's mean TTFT and the servers' share of it (`servers_ttft_ms`), medians
+    ttft_mean: float | None = None
+    servers_ttft_ms: float | None = None
 
     @property
     def status(self) -> str:
@@ -458,6 +493,8 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
                 median(r.get("late_tokens") for r in good),
                 mid("tt2t", "p50"),
                 median(decode_step(r) for r in good),
+                mid("ttft", "mean"),
+                median(servers_ttft_ms(r) for r in good),
             )
         )
     return rows

@@ -58,6 +58,12 @@ VLLM_COUNTERS = (
     # streaming quality (`late_tokens`) is measured against
     "vllm:inter_token_latency_seconds_sum",
     "vllm:inter_token_latency_seconds_count",
+    # arrival to first token and to the end, as each server's front end measured them:
+    # the servers' share of TTFT (`results.servers_ttft_ms`), the rest is proxy and client
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
 )
 
 

@@ -35,9 +35,64 @@ def test_every_mark_in_the_table_is_explained_under_it(rows: list[results.Aggreg
 
 
 def test_a_coalesced_tpot_is_marked_and_gets_no_ratio(rows: list[results.Aggregate]) -> None:
-    table = [line.split() for line in plot.table(rows).splitlines()]
-    line = next(cells for cells in table if cells[:3] == ["256", "4", "kvpush-push"])
-    assert line[8] == "0.0^" and line[-1] == line[-3] == "-"  # TPOT p50, TPOT/nospin, TPOT/vLLM
+    text = plot.table(rows).splitlines()
+    tpot = text[0].index("TPOT p50")  # the column's cells end where its header does
+    line = next(cells for cells in text if cells.split()[:3] == ["256", "4", "kvpush-push"])
+    assert line[: tpot + len("TPOT p50")].split()[-1] == "0.0^"
+    assert line.split()[-1] == line.split()[-3] == "-"  # TPOT/nospin, TPOT/vLLM
+
+
+def _histograms(ttft: tuple[float, int], e2e: tuple[float, int] = (0.0, 0)) -> dict[str, float]:
+    """A server's scraped deltas: vLLM's TTFT and end-to-end histograms (seconds, count)."""
+    return {
+        'vllm:time_to_first_token_seconds_sum{engine="0"}': ttft[0],
+        'vllm:time_to_first_token_seconds_count{engine="0"}': ttft[1],
+        'vllm:e2e_request_latency_seconds_sum{engine="0"}': e2e[0],
+        'vllm:e2e_request_latency_seconds_count{engine="0"}': e2e[1],
+    }
+
+
+@pytest.mark.parametrize(
+    ("setup", "first_token", "expected"),
+    [
+        ("kvpush-push", "prefill", 15.0),  # prefill's TTFT: its token is the client's first
+        ("kvpush-pull", "prefill", 15.0),
+        ("kvpush-push", "decode", 40.0),  # decode's TTFT holds its wait for the KV
+        ("vllm-pull", "decode", 20.0 + 40.0),  # the proxy runs prefill's leg, then decode
+        ("vllm-pull-nospin", "decode", 20.0 + 40.0),
+    ],
+)
+def test_the_servers_share_of_ttft_comes_from_the_server_that_sends_the_first_token(
+    setup: str, first_token: str, expected: float
+) -> None:
+    prefill = _histograms(ttft=(0.015 * 4, 4), e2e=(0.020 * 4, 4))
+    decode = _histograms(ttft=(0.040 * 4, 4), e2e=(0.200 * 4, 4))
+    result = {"setup": setup, "first_token": first_token}
+    result["metrics"] = {"prefill": prefill, "decode": decode}
+    assert results.servers_ttft_ms(result) == pytest.approx(expected)
+
+
+def test_a_single_server_is_its_own_share_and_old_runs_have_none() -> None:
+    single = {"setup": "single", "metrics": {"single": _histograms(ttft=(0.03, 2))}}
+    assert results.servers_ttft_ms(single) == pytest.approx(15.0)
+    old = {"setup": "kvpush-push", "first_token": "prefill", "metrics": {"prefill": {}}}
+    assert results.servers_ttft_ms(old) is None  # recorded before the sweep kept them
+
+
+def test_the_table_gives_the_client_mean_ttft_beside_the_servers_share(
+    rows: list[results.Aggregate],
+) -> None:
+    row = next(r for r in rows if r.setup == "kvpush-push")
+    shared = results.Aggregate(**{**{f: getattr(row, f) for f in row.__slots__}})
+    shared.ttft_mean, shared.servers_ttft_ms = 31.5, 19.25
+    text = plot.table([shared])
+    header = text.splitlines()[0]
+    cells = text.splitlines()[1]
+    at = header.index("at servers")
+    assert cells[: at + len("at servers")].split()[-2:] == ["31.5", "19.2"]
+    assert "at servers: the servers' own share" in text
+    (line,) = list(csv.DictReader(io.StringIO(plot.table_csv([shared]))))
+    assert (line["ttft_mean_ms"], line["servers_ttft_ms"]) == ("31.5", "19.25")
 
 
 def test_every_setup_has_a_line_or_a_marker_saying_why_not(
