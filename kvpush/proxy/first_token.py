@@ -14,7 +14,9 @@ may come from decode first); once decode's own content leads, the stream is deco
 alone. Decode's events are parsed only until its first token's text is matched, then
 passed on as bytes. A decode whose first token's text is not prefill's (a decode without
 kvpush's logits processor: another kvpush version, or speculative decoding, which loads
-none) is counted as a mismatch and passed on unchanged.
+none) is counted as a mismatch and passed on unchanged. A first token without text (its
+bytes complete a character only with the next token's) goes out as an empty event, as a
+single server streams it, and decode's empty copy is dropped.
 """
 
 from __future__ import annotations
@@ -104,10 +106,17 @@ class Splice:
         if self.chat:
             message = choice.get("message")
             text = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(text, str) or not text or _REPLACEMENT in text:
+                return None  # chat's content may be what a reasoning or tool parser left
         else:
             text = choice.get("text")
-        if not isinstance(text, str) or not text or _REPLACEMENT in text:
-            return None
+            # Prefill's text is what vLLM's detokenizer gave for the token, and decode's
+            # gives the same for its copy: empty where the token's bytes wait for the
+            # next token's (decode then streams an empty first event too), U+FFFD inside
+            # where the tokenizer itself decodes bytes so. Only a text ending in U+FFFD
+            # might be a partial character decode would hold back: decode's to tell.
+            if not isinstance(text, str) or text.endswith(_REPLACEMENT):
+                return None
         head = {key: answer[key] for key in ("id", "created", "model") if key in answer}
         if self.chat:
             delta: dict[str, Any] = {"content": text}
@@ -168,7 +177,7 @@ class Splice:
             elif delta is not None and "role" in delta:
                 self._role_sent = True
             return event
-        if isinstance(text, str) and text:
+        if isinstance(text, str) and (text or self._empty_copy(delta)):
             text = self._consume(text)
         elif delta is None or "role" not in delta:
             return event
@@ -182,6 +191,11 @@ class Splice:
         if empty and (delta is None or not any(v for v in delta.values())):
             return b""  # only decode's copy of the first token (or its role): drop
         return _event(payload)
+
+    def _empty_copy(self, delta: dict[str, Any] | None) -> bool:
+        """Whether an event without text is decode's copy of an empty first token that
+        prefill's event already stood for (a chat's role chunk is not)."""
+        return self.pending == "" and (delta is None or "role" not in delta)
 
     def _consume(self, text: str) -> str:
         pending = self.pending or ""

@@ -5,6 +5,7 @@ Each setup is started once (as a user would, through the CLI) and shared by the 
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,6 +103,28 @@ def test_a_sampled_stream_continues_from_the_first_token_it_showed(
     assert grown["prefill"] + grown["decode"] == 8
     assert grown["prefill"] >= 4, grown
     assert grown["mismatch"] == 0, grown
+
+
+def test_first_tokens_without_text_of_their_own_come_from_prefill_too(
+    deployment: Deployment, tiny_model: Path
+) -> None:
+    """Prompts of random token ids make the tiny model (a vocabulary of byte pieces) start
+    many answers with a token that has no text of its own yet, or odd bytes: the proxy
+    still sends prefill's first token, and the streamed text equals the whole answer that
+    decode sends unstreamed (which is decode's alone), nothing lost or doubled."""
+    if not deployment.setup.startswith("kvpush"):
+        pytest.skip("vLLM's connectors: the first token comes from decode")
+
+    rng = random.Random(11)
+    before = first_token_counts(deployment.proxy)
+    for _ in range(12):
+        ids = [rng.randrange(5, 1000) for _ in range(48)]
+        body = {"model": str(tiny_model), "prompt": ids, "max_tokens": 6, "temperature": 0}
+        whole = deployment.ask(post, "/v1/completions", body)["choices"][0]["text"]
+        assert deployment.ask(post_stream, "/v1/completions", body) == whole, ids
+    grown = {k: v - before[k] for k, v in first_token_counts(deployment.proxy).items()}
+    assert grown["mismatch"] == 0, grown
+    assert grown["prefill"] >= 10, grown  # only a text ending in U+FFFD is left to decode
 
 
 def test_decode_got_every_prompt_token_by_kv_transfer(

@@ -109,8 +109,8 @@ def test_decode_content_first_means_decode_alone() -> None:
     "answer",
     [
         prefill_answer("</s>", finish="stop"),  # stopped at its first token: decode tells
-        prefill_answer(""),  # a token whose text waits for the next one
-        prefill_answer("\ufffd"),  # part of a character
+        prefill_answer("a\ufffd"),  # may end inside a character decode holds back
+        prefill_answer("", chat=True),  # chat: what a reasoning or tool parser left
         {"error": "boom"},
         {"choices": []},
     ],
@@ -121,6 +121,30 @@ def test_prefill_answers_without_a_usable_first_token_leave_the_stream_to_decode
     splice = Splice(chat=False)
     assert splice.prefill_answer(answer) is None
     assert splice.decode_bytes(event("x") + DONE) == event("x") + DONE
+
+
+def test_an_empty_first_token_goes_out_from_prefill_and_decode_s_copy_is_dropped() -> None:
+    """A token whose bytes wait for the next token's (a byte-fallback or multi-byte
+    character): vLLM's detokenizer gives it no text on both servers, and streams an empty
+    event for it, so the client gets what one server would send."""
+    splice = Splice(chat=False)
+    early = splice.prefill_answer(prefill_answer(""))
+    assert early is not None and texts(early) == [""] and splice.sent_early
+    rest = splice.decode_bytes(event("") + event("\u00e9t\u00e9") + event(" x") + DONE)
+    assert texts(rest) == ["\u00e9t\u00e9", " x"] and rest.endswith(DONE)
+    assert not splice.mismatch
+    # a decode that sends no event for the empty token: its text goes out whole
+    splice = Splice(chat=False)
+    splice.prefill_answer(prefill_answer(""))
+    assert texts(splice.decode_bytes(event("\u00e9") + event(" x"))) == ["\u00e9", " x"]
+
+
+def test_a_first_token_with_replacement_characters_inside_is_spliced() -> None:
+    splice = Splice(chat=False)
+    early = splice.prefill_answer(prefill_answer("\ufffd ease"))  # the tokenizer's own
+    assert early is not None and texts(early) == ["\ufffd ease"]
+    rest = splice.decode_bytes(event("\ufffd ease") + event(" x") + DONE)
+    assert texts(rest) == [" x"] and not splice.mismatch
 
 
 def test_a_different_first_token_at_decode_is_a_mismatch_and_nothing_is_lost() -> None:
