@@ -37,12 +37,15 @@ _REPLACEMENT = "\ufffd"  # text of a token that ends inside a UTF-8 character
 
 def eligible(body: dict[str, Any]) -> bool:
     """Whether a client request may get its first token from prefill: streamed, and
-    asking nothing per token that prefill's answer does not carry (logprobs, echo)."""
+    asking nothing per token that prefill's early event does not carry (logprobs, echo,
+    token ids)."""
     if body.get("stream") is not True:
         return False
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs"):
         return False
     if body.get("echo") or body.get("prompt_logprobs") is not None:
+        return False
+    if body.get("return_token_ids"):  # each chunk's token ids, the prompt's in the first
         return False
     options = body.get("stream_options")
     return not (isinstance(options, dict) and options.get("continuous_usage_stats"))

@@ -174,6 +174,8 @@ def test_final_usage_and_finish_events_survive_the_splice() -> None:
         ({"stream": True, "logprobs": True, "top_logprobs": 2}, False),
         ({"stream": True, "logprobs": False}, True),
         ({"stream": True, "echo": True}, False),
+        ({"stream": True, "return_token_ids": True}, False),
+        ({"stream": True, "return_token_ids": False}, True),
         ({"stream": True, "stream_options": {"include_usage": True}}, True),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, False),
     ],
