@@ -181,7 +181,7 @@ def table(rows: Sequence[Aggregate]) -> str:
     columns = [col for col, _, _ in ratio_columns(rows)]
     header = ["in", "qps", "setup", "result", "TTFT p50", "TTFT p99", "2nd token p50"]
     header += ["TTFT mean", "at servers", "TPOT p50", "TPOT p99", "decode step", "req/s"]
-    header += ["1 burst", "late", *columns]
+    header += ["1 burst", "late", "1st from P", *columns]
     cells = []
     for line in lines(rows):
         r = line.row
@@ -199,6 +199,7 @@ def table(rows: Sequence[Aggregate]) -> str:
                 "-" if r.throughput is None else f"{r.throughput:.2f}",
                 share(r.one_burst),
                 share(r.late_tokens),
+                share(r.first_from_prefill),
                 *(line.ratios[col].cell() for col in columns),
             ]
         )
@@ -227,7 +228,8 @@ def table(rows: Sequence[Aggregate]) -> str:
     notes.append(
         "1 burst: answers whose tokens all reached the client at once; late: output tokens "
         f"that reached the client more than {LATE_STEPS} decode steps after they were "
-        "produced (medians over runs; docs/benchmarks.md)"
+        "produced (medians over runs; docs/benchmarks.md); 1st from P: streams whose "
+        "first token the proxy took from prefill (the rest waited for decode's)"
     )
     if any(r.status != "ok" and r.ok for r in rows):
         notes.append(
@@ -270,6 +272,7 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
             "decode_step_ms",
             "ttft_mean_ms",
             "servers_ttft_ms",
+            "first_token_from_prefill",
             *(col.replace("/", "_vs_").lower() for col in columns),
             *(col.replace("/", "_vs_").lower() + "_shaky" for col in columns),
         ]
@@ -301,6 +304,7 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
                 number(r.decode_step_ms),
                 number(r.ttft_mean),
                 number(r.servers_ttft_ms),
+                number(r.first_from_prefill),
                 *(number(x.value) for x in ratios),
                 *(int(x.shaky) for x in ratios),
             ]

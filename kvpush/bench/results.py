@@ -334,6 +334,14 @@ def servers_ttft_ms(result: dict[str, Any]) -> float | None:
     return None if leg is None else leg + decode
 
 
+def from_prefill(result: dict[str, Any]) -> float | None:
+    """The share of a run's streams whose first token the proxy took from prefill (None:
+    not recorded, no proxy, or no stream that could take it)."""
+    sources = result.get("first_token_sources") or {}
+    streams = sources.get("prefill", 0) + sources.get("decode", 0)
+    return sources.get("prefill", 0) / streams if streams else None
+
+
 def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:
     """Sum of a run's deltas for metric `name` whose labels include `labels`."""
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
@@ -433,6 +441,7 @@ class Aggregate:
     # the client's mean TTFT and the servers' share of it (`servers_ttft_ms`), medians
     ttft_mean: float | None = None
     servers_ttft_ms: float | None = None
+    first_from_prefill: float | None = None  # median share (`from_prefill`)
 
     @property
     def status(self) -> str:
@@ -495,6 +504,7 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
                 median(decode_step(r) for r in good),
                 mid("ttft", "mean"),
                 median(servers_ttft_ms(r) for r in good),
+                median(from_prefill(r) for r in good),
             )
         )
     return rows

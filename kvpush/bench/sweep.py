@@ -48,6 +48,8 @@ from kvpush.testbed.topology_proxy import local_url, start_topology_proxy, warm_
 
 # Below this share of decode's prompt tokens moved by KV transfer a run is flagged.
 HANDED_OFF_LOW = 0.9
+# the sources of the proxy's first-token counter, recorded per run
+FIRST_SOURCES = ("prefill", "decode", "mismatch")
 
 # Counters kept as deltas over a run, besides every kvpush:* sample.
 VLLM_COUNTERS = (
@@ -181,6 +183,9 @@ class Direct:
     def logged_chunks(self) -> dict[str, list[tuple[float, int]]] | None:
         return None  # no proxy: the client's own timestamps are all there is
 
+    def first_tokens(self) -> dict[str, int] | None:
+        return None  # one server sends every token
+
     def __enter__(self) -> Direct:
         return self
 
@@ -243,6 +248,11 @@ class ProxyThread:
         proxy = self._proxy()
         logs, proxy.chunk_logs = proxy.chunk_logs, None
         return dict(logs) if logs is not None else None
+
+    def first_tokens(self) -> dict[str, int]:
+        """How many streamed first tokens the proxy took from each source so far."""
+        counts: dict[str, int] = self._proxy().metrics.first_token_counts()
+        return counts
 
     def __enter__(self) -> ProxyThread:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -367,6 +377,17 @@ def metric_deltas(
     return deltas
 
 
+def first_token_sources(
+    before: dict[str, int] | None, after: dict[str, int] | None
+) -> dict[str, int] | None:
+    """Where the proxy took the streamed first tokens of one run from, by source (prefill,
+    decode; mismatch: decode did not reproduce prefill's token), from its counter before
+    and after. None without a proxy (the single setup)."""
+    if before is None or after is None:
+        return None
+    return {source: after.get(source, 0) - before.get(source, 0) for source in FIRST_SOURCES}
+
+
 def handed_off(deltas: dict[str, float] | None) -> float | None:
     """The share of decode's prompt tokens that came by KV transfer over a run (None: no
     decode, or no prompt tokens counted). Below 1 decode computed the rest itself: prompts
@@ -398,6 +419,7 @@ def run_point(
     servers = server_urls(topology)
     decode_url = servers.get("decode") or servers["single"]
     before = {role: safe_scrape(url) for role, url in servers.items()}
+    firsts_before = proxy.first_tokens()
     deadline = spec.deadline(point)
     started = time.time()
     status: str | None = None
@@ -437,6 +459,7 @@ def run_point(
         tracer.stop()
     after = {role: safe_scrape(url) for role, url in servers.items()}
     deltas = {role: metric_deltas(before[role], after[role]) for role in servers}
+    firsts = first_token_sources(firsts_before, proxy.first_tokens())
     summary: dict[str, Any] = {}
     raw = res.read_raw(raw_path)
     if raw is not None:
@@ -478,6 +501,7 @@ def run_point(
         **summary,
         "decode_queue": sampler.summary(),
         "metrics": deltas,
+        "first_token_sources": firsts,
         "command": command,
         "log": log_path.name,
         **traced,
@@ -595,6 +619,12 @@ def describe(result: dict[str, Any]) -> str:
     late = result.get("late_tokens")
     if late is not None:
         line += f", {late:.0%} of tokens late (>{res.LATE_STEPS} steps)"
+    sources = result.get("first_token_sources") or {}
+    streams = sources.get("prefill", 0) + sources.get("decode", 0)
+    if result.get("first_token") == "prefill" and streams:
+        line += f", first token from prefill in {sources.get('prefill', 0)} of {streams}"
+        if sources.get("mismatch"):
+            line += f" ({sources['mismatch']} not reproduced by decode)"
     handed = result.get("kv_handed_off")
     if handed is not None and handed < HANDED_OFF_LOW:
         line += (

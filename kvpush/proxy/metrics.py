@@ -122,6 +122,15 @@ class Metrics:
             registry=self.registry,
         )
 
+    def first_token_counts(self) -> dict[str, int]:
+        """`first_token`'s counts so far, by source (prefill, decode, mismatch)."""
+        counts: dict[str, int] = {}
+        for metric in self.first_token.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["source"]] = int(sample.value)
+        return counts
+
     def exposition(self) -> bytes:
         """What /metrics answers, in Prometheus' text format."""
         return generate_latest(self.registry)

@@ -85,6 +85,7 @@ def test_the_table_gives_the_client_mean_ttft_beside_the_servers_share(
     row = next(r for r in rows if r.setup == "kvpush-push")
     shared = results.Aggregate(**{**{f: getattr(row, f) for f in row.__slots__}})
     shared.ttft_mean, shared.servers_ttft_ms = 31.5, 19.25
+    shared.first_from_prefill = 0.875
     text = plot.table([shared])
     header = text.splitlines()[0]
     cells = text.splitlines()[1]
@@ -93,6 +94,9 @@ def test_the_table_gives_the_client_mean_ttft_beside_the_servers_share(
     assert "at servers: the servers' own share" in text
     (line,) = list(csv.DictReader(io.StringIO(plot.table_csv([shared]))))
     assert (line["ttft_mean_ms"], line["servers_ttft_ms"]) == ("31.5", "19.25")
+    assert line["first_token_from_prefill"] == "0.875"
+    at = header.index("1st from P")
+    assert cells[: at + len("1st from P")].split()[-1] == "88%"
 
 
 def test_every_setup_has_a_line_or_a_marker_saying_why_not(

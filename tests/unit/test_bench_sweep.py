@@ -355,3 +355,18 @@ def test_the_time_to_the_second_token_is_read_from_each_requests_gaps() -> None:
     assert results.second_token(data) == pytest.approx({"mean": 22.5, "p50": 22.5, "p99": 30.0})
     assert results.second_token({"ttfts": [], "itls": []})["p50"] is None
     assert set(results.summarise_bench(raw())["tt2t"]) == {"mean", "p50", "p99"}
+
+
+def test_each_run_records_where_its_first_tokens_came_from() -> None:
+    before = {"prefill": 10, "decode": 2}
+    after = {"prefill": 31, "decode": 5, "mismatch": 1}
+    sources = sweep.first_token_sources(before, after)
+    assert sources == {"prefill": 21, "decode": 3, "mismatch": 1}
+    assert sweep.first_token_sources(None, None) is None  # single: no proxy
+    assert results.from_prefill({"first_token_sources": sources}) == pytest.approx(21 / 24)
+    assert results.from_prefill({"first_token_sources": {"prefill": 0, "decode": 0}}) is None
+    assert results.from_prefill({}) is None  # recorded before the sweep kept them
+    ok = {"status": "ok", "ttft": {"p50": 0.01}, "tpot": {"p50": 0.002}}
+    line = sweep.describe({**ok, "first_token": "prefill", "first_token_sources": sources})
+    assert "first token from prefill in 21 of 24 (1 not reproduced by decode)" in line
+    assert "first token" not in sweep.describe({**ok, "first_token": "decode"})

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from kvpush.proxy.config import ProxyConfig
+from kvpush.proxy.metrics import Metrics
 from kvpush.proxy.rewrite import Backend
 from kvpush.proxy.server import start_proxy
 from kvpush.proxy.stub import StubBackend, StubBehaviour, serve_stub
@@ -298,6 +299,14 @@ async def test_a_decode_that_does_not_reproduce_the_token_is_counted(rig: Rig) -
     assert text == "HelloHowdy there"  # nothing of decode's is lost
     metrics = await (await rig.session.get(rig.url + "/metrics")).text()
     assert 'kvpush_proxy_first_token_total{source="mismatch"} 1.0' in metrics
+
+
+def test_the_first_token_counts_are_read_by_source() -> None:
+    metrics = Metrics({})
+    assert metrics.first_token_counts() == {}
+    metrics.first_token.labels("prefill").inc(3)
+    metrics.first_token.labels("decode").inc()
+    assert metrics.first_token_counts() == {"prefill": 3, "decode": 1}
 
 
 async def test_first_token_from_decode_and_unstreamed_requests_are_not_pinned() -> None:
