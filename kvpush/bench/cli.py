@@ -371,7 +371,8 @@ def show(directory: Path, png: Path, csv: str | None = None) -> int:
     as CSV instead; for another csv, also write the CSV there). Exit code: 1 if there is
     nothing, 2 for a directory or file that cannot be read or written."""
     try:
-        rows = results.aggregate(results.load_results(directory))
+        loaded = results.load_results(directory)
+        rows = results.aggregate(loaded)
     except (FileNotFoundError, results.ResultError) as exc:
         print(f"kvpush bench plot: {exc}", file=sys.stderr)
         return 2
@@ -391,6 +392,11 @@ def show(directory: Path, png: Path, csv: str | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    hosts = sorted({results.describe_host(r.get("host")) for r in loaded})
+    if len(hosts) > 1:
+        written.append("WARNING: runs from different hosts: " + "; ".join(hosts))
+    elif hosts != ["-"]:
+        written.append(f"host: {hosts[0]}")
     sys.stdout.write(plot.table_csv(rows) if csv_on_stdout else plot.table(rows) + "\n")
     # With the CSV on stdout the rest goes to stderr, so that stdout stays CSV.
     print("\n" + "\n".join(written), file=sys.stderr if csv_on_stdout else sys.stdout)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -296,6 +297,41 @@ def late_count(arrivals: Sequence[float], step: float, steps: float = LATE_STEPS
 def engine_step_ms(deltas: dict[str, float] | None) -> float | None:
     """Decode's mean time between a request's tokens in the engine over a run (ms)."""
     return histogram_mean_ms(deltas, "vllm:inter_token_latency_seconds")
+
+
+def host_cpu(cpuinfo: str | None = None) -> dict[str, Any]:
+    """The machine a run measured: CPU model, cores this process may use, and the widest
+    vector extension vLLM's CPU kernels use (`avx512`, `avx2`, else `other`). vLLM's CPU
+    backend runs several times faster with AVX-512, so runs on different hosts compare
+    only through ratios measured in the same run. `cpuinfo`: /proc/cpuinfo's text (read
+    when None; empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "unknown", set[str]()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model == "unknown":
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity outside Linux
+        cores = os.cpu_count() or 0
+    return {"cpu": model, "cores": cores, "isa": isa}
+
+
+def describe_host(host: dict[str, Any] | None) -> str:
+    """One line for a result's `host` ('-' for runs recorded before it was kept)."""
+    if not host:
+        return "-"
+    isa = {"avx512": "AVX-512", "avx2": "AVX2, no AVX-512"}.get(host.get("isa", ""), "no AVX2")
+    return f"{host.get('cpu', 'unknown')}, {host.get('cores', '?')} cores, {isa}"
 
 
 def histogram_mean_ms(deltas: dict[str, float] | None, name: str) -> float | None:

@@ -528,6 +528,7 @@ def record_head(spec: SweepSpec, point: Point, topology: Topology) -> dict[str, 
         "prefix_caching": spec.pair.prefix_caching,
         "model": str(spec.pair.model),
         "seed": point.seed(spec.seed),
+        "host": res.host_cpu(),  # CPU model, cores, AVX-512 or not: numbers differ by host
         # which cores each server ran on, and whether its whole process tree was held there
         "pinning": topology.pinning(),
         # where the proxy took a streamed answer's first token from (None: no proxy)
@@ -650,7 +651,8 @@ def run_sweep(spec: SweepSpec, say: Say = print) -> list[dict[str, Any]]:
     say(
         f"kvpush bench sweep: {len(points)} runs ({len(spec.setups)} setups x "
         f"{len(spec.rates)} rates x {len(spec.input_lens)} input lengths x "
-        f"{spec.iterations} iterations), {len(points) - len(todo)} already in {spec.out}"
+        f"{spec.iterations} iterations), {len(points) - len(todo)} already in {spec.out}; "
+        f"host: {res.describe_host(res.host_cpu())}"
     )
     progress = Progress(len(points), len(points) - len(todo))
     written = []

@@ -370,3 +370,29 @@ def test_each_run_records_where_its_first_tokens_came_from() -> None:
     line = sweep.describe({**ok, "first_token": "prefill", "first_token_sources": sources})
     assert "first token from prefill in 21 of 24 (1 not reproduced by decode)" in line
     assert "first token" not in sweep.describe({**ok, "first_token": "decode"})
+
+
+CPUINFO_AMD = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n\n"
+CPUINFO_INTEL = "model name\t: Intel Xeon\nflags\t: avx2 avx512f avx512bw\n"
+
+
+def test_each_run_names_its_host_and_plot_warns_when_hosts_differ(
+    tmp_path: Path, capsys: Any
+) -> None:
+    amd, intel = results.host_cpu(CPUINFO_AMD), results.host_cpu(CPUINFO_INTEL)
+    assert (amd["cpu"], amd["isa"], intel["isa"]) == ("AMD EPYC", "avx2", "avx512")
+    assert amd["cores"] >= 1
+    assert results.host_cpu("")["isa"] == "other"
+    assert results.describe_host(amd) == f"AMD EPYC, {amd['cores']} cores, AVX2, no AVX-512"
+    assert results.describe_host(None) == "-"  # recorded before hosts were kept
+    write_recorded_sweep(tmp_path)
+    paths = sorted(tmp_path.glob("*_iter*.json"))
+    for path in paths:
+        data = json.loads(path.read_text())
+        results.write_result(path, {**data, "host": amd})
+    assert main(["bench", "plot", str(tmp_path), "--png", str(tmp_path / "a.png")]) == 0
+    assert f"host: {results.describe_host(amd)}" in capsys.readouterr().out
+    results.write_result(paths[0], {**json.loads(paths[0].read_text()), "host": intel})
+    assert main(["bench", "plot", str(tmp_path), "--png", str(tmp_path / "b.png")]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: runs from different hosts" in out and "Intel Xeon" in out
