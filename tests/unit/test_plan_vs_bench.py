@@ -34,6 +34,9 @@ proxy bench --streams 1` run just before it (0.38 ms pull, 1.77 ms push). Within
 again, 2026-12-04 06:29-07:17 at cb1e764 (the sweep's proxy on uvloop, as deployed), 90 of
 90 ok; profile-intel-uvloop.json: `kvpush plan measure` there right after it, 07:18-07:24,
 the same proxy hops. Within 25 % at 30 of 72 point-metrics, every prediction low.
+On a fourth host (2-core AMD EPYC, no AVX-512), sweep-amd/: `--setups kvpush-push,
+kvpush-pull,vllm-pull-nospin,single`, otherwise the same, 2026-12-04 12:54-13:29 at 6d56779,
+72 of 72 ok; no profile was measured there, so no test reads it (docs/benchmarks.md).
 Within 25 % at 8 of 72 and 9 of 54 point-metrics, every prediction low; the sweep's TPOT
 (each token through the proxy and the client, floating over both cores) is what the probes
 miss most (docs/planning.md, "The reference sweeps, vLLM's prefill on its own core").
