@@ -370,12 +370,18 @@ def servers_ttft_ms(result: dict[str, Any]) -> float | None:
     return None if leg is None else leg + decode
 
 
+def first_token_split(result: dict[str, Any]) -> tuple[int, int]:
+    """(streams whose first token the proxy took from prefill, streams that could take it)
+    over a run; (0, 0) where not recorded or without a proxy."""
+    sources = result.get("first_token_sources") or {}
+    return sources.get("prefill", 0), sources.get("prefill", 0) + sources.get("decode", 0)
+
+
 def from_prefill(result: dict[str, Any]) -> float | None:
     """The share of a run's streams whose first token the proxy took from prefill (None:
     not recorded, no proxy, or no stream that could take it)."""
-    sources = result.get("first_token_sources") or {}
-    streams = sources.get("prefill", 0) + sources.get("decode", 0)
-    return sources.get("prefill", 0) / streams if streams else None
+    prefill, streams = first_token_split(result)
+    return prefill / streams if streams else None
 
 
 def delta_total(deltas: dict[str, float], name: str, **labels: str) -> float:

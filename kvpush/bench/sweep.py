@@ -620,12 +620,12 @@ def describe(result: dict[str, Any]) -> str:
     late = result.get("late_tokens")
     if late is not None:
         line += f", {late:.0%} of tokens late (>{res.LATE_STEPS} steps)"
-    sources = result.get("first_token_sources") or {}
-    streams = sources.get("prefill", 0) + sources.get("decode", 0)
+    prefill, streams = res.first_token_split(result)
     if result.get("first_token") == "prefill" and streams:
-        line += f", first token from prefill in {sources.get('prefill', 0)} of {streams}"
-        if sources.get("mismatch"):
-            line += f" ({sources['mismatch']} not reproduced by decode)"
+        line += f", first token from prefill in {prefill} of {streams}"
+        mismatch = result["first_token_sources"].get("mismatch")
+        if mismatch:
+            line += f" ({mismatch} not reproduced by decode)"
     handed = result.get("kv_handed_off")
     if handed is not None and handed < HANDED_OFF_LOW:
         line += (
