@@ -80,6 +80,11 @@ class KvpushConfig:
     # "normal" (the OS's default) or "batch" (Linux SCHED_BATCH: waking them never
     # preempts vLLM's threads).
     thread_policy: str = "normal"
+    # Decode, after a prefix-cache hit: an uncached prompt tail of at most this many tokens
+    # is computed by decode itself, as one server would; a longer one comes from prefill.
+    # In tokens, not blocks: a full hit leaves up to a block (128 tokens on vLLM's CPU
+    # backend, 16-64 on GPUs), too long to compute inside decode's batch.
+    local_tail_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,6 +100,8 @@ class KvpushConfig:
                 f"kv_connector_extra_config.thread_policy must be one of {POLICIES}, "
                 f"got {self.thread_policy!r}"
             )
+        if self.local_tail_tokens < 0:
+            raise _tail_error(self.local_tail_tokens)
         if not 0 < self.port < 65536:
             raise ValueError(f"side-channel port {self.port} is out of range")
         check_advertised(self.host)
@@ -142,6 +149,7 @@ class KvpushConfig:
             "insecure",
             "backend",
             "thread_policy",
+            "local_tail_tokens",
             *CONTROL_LIMITS,
             *TLS_KEYS,
         }
@@ -172,6 +180,9 @@ class KvpushConfig:
                 raise ValueError(
                     f"kv_connector_extra_config.{key} must be a positive {what}, got {value!r}"
                 )
+        tail = extra.get("local_tail_tokens", 16)
+        if isinstance(tail, bool) or not isinstance(tail, int):
+            raise _tail_error(tail)
         config = cls(
             mode=str(extra.get("mode", "push")),
             host=str(extra.get("host", env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))),
@@ -184,6 +195,7 @@ class KvpushConfig:
             insecure=insecure and secret is None,
             backend=str(extra.get("backend", "UCX")),
             thread_policy=str(extra.get("thread_policy", "normal")),
+            local_tail_tokens=tail,
             faults=Faults.parse(env.get(FAULTS_ENV, "")),
             control=Limits(**limits),
             **{key: str(extra.get(key, "")) for key in TLS_KEYS},
@@ -196,3 +208,10 @@ class KvpushConfig:
                 '"insecure": true in kv_connector_extra_config for a private test network'
             )
         return config
+
+
+def _tail_error(value: object) -> ValueError:
+    return ValueError(
+        "kv_connector_extra_config.local_tail_tokens must be a whole number of tokens, 0 or "
+        f"more (how long an uncached prompt tail decode computes itself), got {value!r}"
+    )

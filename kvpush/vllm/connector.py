@@ -144,7 +144,6 @@ class KvpushConnector(KVConnectorBase_V1):
                 engine_id,
                 is_producer=transfer.kv_role == "kv_producer",
                 tp_size=parallel.tensor_parallel_size,
-                block_size=self.facts.block_size,
                 dp_index=dp_index,
                 local=node.queue if node is not None else None,
             )

@@ -41,7 +41,6 @@ class SchedulerSide:
         engine_id: str,
         is_producer: bool,
         tp_size: int = 1,
-        block_size: int = 16,
         dp_index: int = 0,
         local: HandOff | None = None,
     ) -> None:
@@ -53,7 +52,6 @@ class SchedulerSide:
         self.tp_size = tp_size
         # this engine's first control port (its TP ranks' follow): DP engines take turns
         self.port = config.port + dp_index * tp_size
-        self.block_size = block_size
         self.timer = HookTimer("scheduler")
         # the hooks of every step keep their spans
         self._meta_span = self.timer("build_connector_meta")
@@ -79,14 +77,16 @@ class SchedulerSide:
             if self._hold(request, str(params.get("transfer_id") or request.request_id)):
                 return None, False  # vLLM: not known yet, ask again next step
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
-            if count <= 0 or (num_computed_tokens > 0 and count <= self.block_size):
+            local = num_computed_tokens > 0 and count <= self.config.local_tail_tokens
+            if count <= 0 or local:
                 if count > 0 and _first_token_from_write(request):
                     # Decode must reproduce the first token prefill sampled, which comes
                     # with prefill's WriteDone: take the few tokens left from prefill too.
                     return count, True
-                # A full prefix-cache hit: vLLM caches whole blocks up to the prompt's last
-                # token, so what is left lies in one block that decode computes itself, as
-                # one server would; update_state_after_alloc lets prefill free its KV.
+                # A prefix-cache hit that leaves a short tail (vLLM caches whole blocks
+                # below the prompt's last token): decode computes it, as one server would,
+                # and update_state_after_alloc lets prefill free its KV. A longer tail, up
+                # to a block of 128 tokens on vLLM's CPU backend, comes from prefill.
                 return 0, False
             return count, True
 

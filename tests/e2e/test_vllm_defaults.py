@@ -136,10 +136,21 @@ def test_multi_turn_chat_transfers_only_the_new_turn(defaults: Defaults, setup: 
     print(f"\n{setup}: turn 2 of {prompt} prompt tokens: {moved}")
 
 
+def token_prompt(length: int, offset: int) -> list[int]:
+    """A prompt of exactly `length` token ids, its own for each `offset`."""
+    return [100 + (offset * 131 + i * 7) % 900 for i in range(length)]
+
+
 @pytest.mark.parametrize("setup", SETUPS)
-def test_a_full_decode_hit_moves_nothing_and_frees_prefill(defaults: Defaults, setup: str) -> None:
+@pytest.mark.parametrize(("prompt", "tail"), [(266, 0), (300, 44)])
+def test_a_full_decode_hit_moves_only_a_tail_too_long_to_compute(
+    defaults: Defaults, setup: str, prompt: int, tail: int
+) -> None:
+    """A prompt decode has seen: vLLM's CPU blocks are 128 tokens, so its cache holds the
+    first 256 and leaves 10 or 44. Ten decode computes itself and prefill frees its KV at
+    once; 44 (more than `local_tail_tokens`, 16) come from prefill, and only they."""
     d = defaults.deployments[setup]
-    body = completion(defaults.model, REPEATED)
+    body = {**completion(defaults.model, ""), "prompt": token_prompt(prompt, prompt)}
     first = defaults.ask(d.proxy, "/v1/completions", body)
     before = sources(d.decode)
     started = time.monotonic()
@@ -147,9 +158,11 @@ def test_a_full_decode_hit_moves_nothing_and_frees_prefill(defaults: Defaults, s
     took = time.monotonic() - started
     moved = delta(before, sources(d.decode))
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    prompt = again["usage"]["prompt_tokens"]
-    assert moved["external_kv_transfer"] == 0, moved
-    assert moved["local_cache_hit"] == (prompt - 1) // 128 * 128, moved
+    assert again["usage"]["prompt_tokens"] == prompt
+    hit = (prompt - 1) // 128 * 128
+    expected = {"local_cache_hit": hit, "external_kv_transfer": tail,
+                "local_compute": prompt - hit - tail}  # fmt: skip
+    assert moved == expected, moved
     assert took < 10, f"a full hit waited {took:.1f} s (for a transfer that never comes?)"
     assert prefill_holds_nothing(d), "prefill freed the KV nobody will take"
 

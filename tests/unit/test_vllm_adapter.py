@@ -62,7 +62,7 @@ def test_decode_registers_blocks_at_allocation_once() -> None:
 
 
 def test_a_decode_prefix_hit_registers_only_the_uncached_tail() -> None:
-    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, block_size=16)
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
     req = FakeRequest("d", list(range(100)), decode_params())
     # vLLM found 64 tokens (4 blocks) in decode's prefix cache
     assert side.get_num_new_matched_tokens(req, 64) == (36, True)  # type: ignore[arg-type]
@@ -73,9 +73,10 @@ def test_a_decode_prefix_hit_registers_only_the_uncached_tail() -> None:
 
 @pytest.mark.parametrize("prompt", [97, 100, 112])
 def test_a_full_decode_prefix_hit_needs_no_transfer_and_frees_prefill(prompt: int) -> None:
-    """vLLM caches whole blocks below the prompt's last token: a hit that leaves at most
-    one block is decode's to compute, as on one server; prefill is told to free its KV."""
-    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, block_size=16)
+    """vLLM caches whole blocks below the prompt's last token: with 16-token blocks a full
+    hit leaves at most 16 tokens (`local_tail_tokens`), decode's to compute, as on one
+    server; prefill is told to free its KV."""
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
     req = FakeRequest("d", list(range(prompt)), decode_params())
     hit = (prompt - 1) // 16 * 16
     assert side.get_num_new_matched_tokens(req, hit) == (0, False)  # type: ignore[arg-type]
@@ -88,12 +89,48 @@ def test_a_full_decode_prefix_hit_needs_no_transfer_and_frees_prefill(prompt: in
     assert side.build_connector_meta(SimpleNamespace()).aborted == []
 
 
+@pytest.mark.parametrize(
+    ("prompt", "hit", "tail", "config"),
+    [
+        (256, 128, 128, KvpushConfig()),  # vLLM's CPU blocks: a full hit leaves 128 tokens
+        (300, 256, 44, KvpushConfig()),
+        (130, 128, 0, KvpushConfig()),  # 2 tokens: decode's to compute
+        (97, 96, 1, KvpushConfig(local_tail_tokens=0)),  # always from prefill
+        (256, 128, 0, KvpushConfig(local_tail_tokens=128)),  # up to a whole CPU block local
+    ],
+)
+def test_how_long_a_tail_decode_computes_itself_is_counted_in_tokens_not_blocks(
+    prompt: int, hit: int, tail: int, config: KvpushConfig
+) -> None:
+    """A tail longer than `local_tail_tokens` comes from prefill, whatever the block size:
+    on vLLM's CPU backend a full hit leaves up to 128 tokens, a prefill's worth of work
+    inside decode's batch."""
+    side = SchedulerSide(config, "decode-0", is_producer=False)
+    req = FakeRequest("d", list(range(prompt)), decode_params())
+    assert side.get_num_new_matched_tokens(req, hit) == (tail, tail > 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks([7]), tail)  # type: ignore[arg-type]
+    meta = side.build_connector_meta(SimpleNamespace())
+    if tail:
+        (spec,) = meta.recv
+        assert (spec.first_token, spec.num_tokens) == (hit, prompt)
+    else:
+        assert meta.recv == [] and len(meta.aborted) == 1
+
+
+@pytest.mark.parametrize("value", [-1, "16", 1.5, True])
+def test_local_tail_tokens_must_be_a_whole_number(value: object) -> None:
+    with pytest.raises(ValueError, match="local_tail_tokens must be a whole number"):
+        KvpushConfig.from_extra({"local_tail_tokens": value, "insecure": True}, env={})
+    config = KvpushConfig.from_extra({"local_tail_tokens": 64, "insecure": True}, env={})
+    assert config.local_tail_tokens == 64
+
+
 def test_a_full_hit_still_takes_the_tail_from_prefill_when_its_first_token_is_pinned() -> None:
     """Push, streamed through the proxy: decode must reproduce prefill's first token, which
     comes with prefill's WriteDone, so even a full hit waits for a (one-block) WRITE."""
     from vllm import SamplingParams
 
-    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, block_size=16)
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
     pinned = SamplingParams(extra_args={"kvpush_first_token_of": "t1"})
     req = FakeRequest("d", list(range(100)), decode_params(), sampling_params=pinned)
     assert side.get_num_new_matched_tokens(req, 96) == (4, True)  # type: ignore[arg-type]
@@ -103,7 +140,7 @@ def test_a_full_hit_still_takes_the_tail_from_prefill_when_its_first_token_is_pi
 
 
 def test_a_short_prompt_without_a_hit_is_transferred() -> None:
-    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, block_size=16)
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
     req = FakeRequest("d", list(range(10)), decode_params())
     assert side.get_num_new_matched_tokens(req, 0) == (10, True)  # type: ignore[arg-type]
 
