@@ -39,6 +39,8 @@ kvpush-pull,vllm-pull-nospin,single`, otherwise the same, 2026-12-04 12:54-13:29
 72 of 72 ok; no profile was measured there, so no test reads it (docs/benchmarks.md).
 sweep-amd-decode-first/: kvpush's two modes there with `--first-token decode`, 14:28-14:51
 at 21588d4, 36 of 36 ok, after the host had slowed down (docs/benchmarks.md).
+sweep-amd-vllm-order/: `--setups kvpush-push,kvpush-pull,vllm-pull-nospin,single
+--first-token decode`, 16:02-16:43 at 1436f20, 72 of 72 ok, the host between the two.
 Within 25 % at 8 of 72 and 9 of 54 point-metrics, every prediction low; the sweep's TPOT
 (each token through the proxy and the client, floating over both cores) is what the probes
 miss most (docs/planning.md, "The reference sweeps, vLLM's prefill on its own core").
