@@ -67,12 +67,16 @@ def plan(
 ) -> list[tuple[int, str, list[Point]]]:
     """Groups of runs in the order a sweep makes them: (iteration, setup, points).
 
-    Setups are interleaved across iterations (A B C A B C ...), so drift of the machine
-    over the sweep hits every setup alike; one group shares one start of the servers.
+    Setups are interleaved across iterations, so drift of the machine over the sweep
+    hits every setup alike, and each iteration starts one setup later (A B C, B C A,
+    C A B, ...), so no setup always runs first, right after the previous group's servers
+    stopped (measured: a fixed order favoured the later setup). One group shares one
+    start of the servers.
     """
     groups = []
     for iteration in range(1, iterations + 1):
-        for setup in setups:
+        turn = (iteration - 1) % max(len(setups), 1)
+        for setup in [*setups[turn:], *setups[:turn]]:
             points = [
                 Point(iteration, setup, input_len, rate, output_len)
                 for input_len in input_lens

@@ -4,9 +4,9 @@ For every setup the sweep starts a 1P1D topology with the code `kvpush up` uses 
 decode vLLM servers, prefix caching on as vLLM's default, our proxy in front), warms it up, and
 runs `vllm bench serve` (random dataset, fixed seed, `--ignore-eos`) at every request rate x
 input length, with a fixed output length and prompt count. Setups are interleaved across
-iterations (A B C A B C ...). Around each run it scrapes both servers' /metrics (our
-connector's counters, vLLM's external-KV token counter) and samples decode's waiting
-queue twice a second.
+iterations, each starting one setup later (A B C, B C A, C A B ...). Around each run it
+scrapes both servers' /metrics (our connector's counters, vLLM's external-KV token counter)
+and samples decode's waiting queue twice a second.
 
 Each run ends in a result file, `OUT/<setup>_qps<q>_in<in>_out<out>_iter<i>.json`, plus its
 log. A run that stalls, errors or cannot start is recorded as such with the reason, and the
