@@ -103,6 +103,8 @@ class PushWriter(PeerLoop[StartWrite]):
                 self.later(item, at, hold)
                 return
             self._held.discard(item.transfer_id)
+            # the copy of the finished prefill that came first (`WorkerSide.queue`)
+            self.results.count("handoffs", "direct" if item.direct else "next_step")
             if item.finished_at:  # vLLM's hop: its step that ended the prefill -> here
                 self.finished_at[item.request_id] = item.finished_at
                 self.results.observe(finish_to_handoff_s=max(0.0, at - item.finished_at))

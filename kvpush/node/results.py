@@ -29,7 +29,7 @@ SERIES = (
 
 def empty_data() -> dict[str, Any]:
     data: dict[str, Any] = {name: [] for name in SERIES}
-    data.update(failures={}, rejected={}, hook_s={}, hook_calls={}, gauges={})
+    data.update(failures={}, rejected={}, handoffs={}, hook_s={}, hook_calls={}, gauges={})
     return data
 
 

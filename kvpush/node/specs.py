@@ -48,6 +48,9 @@ class SendSpec:
     sampled: int = NO_TOKEN  # the first output token prefill sampled (push: for decode)
     # when vLLM finished the prefill (time.monotonic, which every process of a host shares)
     finished_at: float = 0.0
+    # push: this copy came straight from the scheduler (`kvpush.node.direct`), not with the
+    # next step's metadata, which carries the other copy
+    direct: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,8 @@ posting and polling transfers, control messages - runs on the threads below:
   control-server  (per node) blocks in select(); decodes control messages, answers
                   handshakes and lease questions, routes the rest (`_routes`)
   push-writer     (prefill, push) rendezvous of registrations with finished prefills; WRITEs
+  direct          (prefill, push) finished prefills straight from the scheduler's process
+                  (`kvpush.node.direct`), an engine step before its metadata brings them
   pull-leases     (prefill, pull) holds finished prefills' blocks until decode read them
   push-receiver   (decode, push)  sends registrations, counts WriteDone per producer rank
   pull-reader     (decode, pull)  READs from each producer rank, confirms, renews leases
@@ -62,6 +64,7 @@ from kvpush.dataplane.transport import NixlTransport
 from kvpush.node.address import listen_failed
 from kvpush.node.config import KvpushConfig
 from kvpush.node.context import Context, Identity, Transport
+from kvpush.node.direct import DirectReceiver, FirstCopies
 from kvpush.node.inbox import ConnectionClosed, Registered
 from kvpush.node.progress import TargetProgress
 from kvpush.node.progress import for_part as target_progress
@@ -106,6 +109,10 @@ class WorkerSide:
         # Prefill: the writer (push) or the lease keeper (pull); decode: the receiver.
         self.part: Part | None = None
         self.progress: TargetProgress | None = None  # the target's NIXL progress, if needed
+        # Push prefill: finished prefills straight from the scheduler (`kvpush.node.direct`),
+        # and which of them came already (the next step's metadata brings each again)
+        self.direct: DirectReceiver | None = None
+        self.copies = FirstCopies()
         self._routes: dict[type, Route] = {}
         # Server thread only: the Hello each open connection handshook with (compatible
         # or not), so a registration binds to the incarnation that sent it.
@@ -177,6 +184,14 @@ class WorkerSide:
             raise listen_failed(exc, config.listen_host, config.host) from exc
         if ident.tp_size == 1:
             _IN_PROCESS[ident.engine_id] = self
+        if isinstance(self.part, PushWriter):
+            self.direct = DirectReceiver.open(
+                ident.engine_id,
+                config.host,
+                self.port,
+                deliver=self._direct,
+                reject=lambda kind: self.results.count("rejected", kind),
+            )
         log.info(
             "kvpush %s worker %d/%d: %d KV regions x %d blocks of %d tokens, %d of %d KV heads "
             "(%s), control on %s:%d (listening on %s)",
@@ -308,11 +323,21 @@ class WorkerSide:
         # prefill takes finished prefills, decode its allocations; both take aborts but
         # a pull prefill, whose request that ended early granted no lease
         items = send if self.identity.role == "prefill" else recv
+        direct = self.direct is not None and self.identity.role == "prefill"
         for item in items:
+            if direct and not self.copies.first(item.request_id, now):
+                continue  # it came straight from the scheduler, a step ago
             part.inbox.put((item, now))
         if not isinstance(part, LeaseKeeper):
             for abort in aborted:
                 part.inbox.put((abort, now))
+
+    def _direct(self, spec: SendSpec, at: float) -> None:
+        """The direct thread: a finished prefill straight from the scheduler, to the writer
+        unless the step's metadata brought it first."""
+        part = self.part
+        if part is not None and self.copies.first(spec.request_id, at):
+            part.inbox.put((spec, at))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self._finished_span:
@@ -344,6 +369,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         if _IN_PROCESS.get(self.identity.engine_id) is self:
             del _IN_PROCESS[self.identity.engine_id]
+        if self.direct is not None:
+            self.direct.stop()
         if self.server is not None:
             self.server.stop()
         if self.part is not None:

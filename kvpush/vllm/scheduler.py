@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.core.protocol import FIRST_TOKEN_OF_ARG, FIRST_TOKEN_PARAM, NO_TOKEN, grant
 from kvpush.node.config import KvpushConfig
+from kvpush.node.direct import DirectSender
 from kvpush.node.results import HookTimer
 from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
 from kvpush.vllm.metadata import EMPTY_METADATA, KvpushMetadata
@@ -66,6 +67,12 @@ class SchedulerSide:
         self._generations: dict[str, int] = {}
         # Decode, test hook hold_decode: when a held request was first seen.
         self._held: dict[str, float] = {}
+        # Push prefill with its workers in other processes: each finished prefill goes to
+        # them at once too, not only with the next step's metadata (`kvpush.node.direct`)
+        self.direct: DirectSender | None = None
+        if local is None and is_producer and config.mode == "push":
+            ports = [self.port + rank for rank in range(tp_size)]
+            self.direct = DirectSender.open(engine_id, config.host, ports)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -206,17 +213,18 @@ class SchedulerSide:
         outputs = request.output_token_ids
         sampled = outputs[0] if outputs else NO_TOKEN
         now = time.monotonic()
-        self._send.append(
-            SendSpec(
-                transfer_id=transfer_id,
-                request_id=request.request_id,
-                block_ids=tuple(block_ids),
-                num_tokens=request.num_computed_tokens,
-                sampled=sampled,
-                finished_at=now,
-            )
+        spec = SendSpec(
+            transfer_id=transfer_id,
+            request_id=request.request_id,
+            block_ids=tuple(block_ids),
+            num_tokens=request.num_computed_tokens,
+            sampled=sampled,
+            finished_at=now,
         )
+        self._send.append(spec)
         self._sending[request.request_id] = now
+        if self.direct is not None:
+            self.direct.send(spec)  # one non-blocking datagram per rank
         if self.config.mode == "push":
             return True, None
         coordinates: dict[str, Any] = {

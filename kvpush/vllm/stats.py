@@ -27,13 +27,15 @@ class KvpushStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (d["bytes"] or d["failures"] or d["rejected"] or d["hook_s"])
+        return not (
+            d["bytes"] or d["failures"] or d["rejected"] or d.get("handoffs") or d["hook_s"]
+        )
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         theirs = other.data
         for name in SERIES:
             self.data[name].extend(theirs.get(name, ()))
-        for table in ("failures", "rejected", "hook_s", "hook_calls"):
+        for table in ("failures", "rejected", "handoffs", "hook_s", "hook_calls"):
             for key, value in theirs.get(table, {}).items():
                 self.data[table][key] = self.data[table].get(key, 0) + value
         self.data["gauges"].update(theirs.get("gauges", {}))
@@ -130,6 +132,12 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             documentation="Control messages rejected (malformed, forged, oversized)",
             labelnames=[*labelnames, "kind"],
         )
+        self.handoffs = counter(
+            name="kvpush:handoffs",
+            documentation="Push prefill: finished prefills by how they reached the writer first "
+            "(direct: from the scheduler's process at once; next_step: in vLLM's metadata)",
+            labelnames=[*labelnames, "path"],
+        )
         self.hook_s = counter(
             name="kvpush:main_thread_seconds",
             documentation="Time our hooks spent on vLLM's scheduler/worker main thread",
@@ -184,6 +192,7 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         for table, metric in (
             ("failures", self.failures),
             ("rejected", self.rejected),
+            ("handoffs", self.handoffs),
             ("hook_s", self.hook_s),
             ("hook_calls", self.hook_calls),
         ):

@@ -306,6 +306,53 @@ def test_a_scheduler_in_the_nodes_process_hands_its_specs_over_at_once(
     assert in_process("decode-0") is None  # a stopped node takes nothing more
 
 
+def test_a_finished_prefill_reaches_a_worker_in_another_process_before_the_next_step(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """vLLM's multiprocess executor (TP above 1, its CPU backend): the scheduler sends the
+    finished prefill to the worker's socket at once (`kvpush.node.direct`), the WRITE runs
+    with no engine step, and the copy the next step's metadata brings is dropped."""
+    from vllm.v1.request import RequestStatus
+
+    prefill, decode = nodes("push")
+    config = dataclasses.replace(prefill.worker.config)
+    side = SchedulerSide(config, "prefill-0", is_producer=True)  # no `local`: another process
+    assert side.direct is not None
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    params = {"do_remote_decode": True, "transfer_id": "t1"}
+    done = FakeRequest("p1", list(range(NUM_TOKENS)), params)
+    done.status, done.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, NUM_TOKENS
+    assert side.request_finished(done, list(PREFILL_BLOCKS)) == (True, None)  # type: ignore[arg-type]
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert np.array_equal(
+        decode.kv.tokens((1, 9, 3), NUM_TOKENS), prefill.kv.tokens(PREFILL_BLOCKS, NUM_TOKENS)
+    )
+    meta = side.build_connector_meta(None)
+    assert [s.request_id for s in meta.send] == ["p1"]  # the metadata still carries it
+    prefill.step(send=tuple(meta.send))  # dropped before it wakes the writer
+    time.sleep(0.05)
+    assert prefill.worker.stats_data()["handoffs"] == {"direct": 1}
+    assert len(prefill.transport.posted) == 1, "the second copy wrote nothing"
+    assert not len(prefill.worker.copies), "both copies came: nothing left to wait for"
+    side.direct.close()
+
+
+def test_a_direct_copy_later_than_the_steps_is_dropped_too(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    prefill, decode = nodes("push")
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    spec = SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS)
+    prefill.step(send=(spec,))
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert len(prefill.worker.copies) == 1
+    prefill.worker._direct(dataclasses.replace(spec, direct=True), time.monotonic())
+    assert not len(prefill.worker.copies)
+    time.sleep(0.05)
+    assert prefill.worker.stats_data()["handoffs"] == {"next_step": 1}
+    assert len(prefill.transport.posted) == 1
+
+
 def test_only_an_engines_single_rank_takes_specs_in_process() -> None:
     """With TP above 1 vLLM runs every rank in a process of its own: specs go by metadata."""
     worker = WorkerSide(
