@@ -172,19 +172,25 @@ class FirstCopies:
     """Which finished prefills a worker has had, by either way: the first copy of each goes
     to the writer, the second is dropped before it wakes anyone. The direct thread and
     vLLM's worker thread both ask, under one lock; a copy whose twin never comes (its
-    datagram was not sent) is forgotten after `keep_s`."""
+    datagram was not sent) is forgotten after `keep_s`.
+
+    A finished prefill is known by its request id and the time the scheduler finished it
+    (`SendSpec.finished_at`): a client may reuse a request id (vLLM takes X-Request-Id),
+    never that pair. A spec without a finish time was not the scheduler's, and is never
+    taken for a twin (`WorkerSide.queue`)."""
 
     def __init__(self, keep_s: float = 60.0) -> None:
         self.keep_s = keep_s
         self._lock = threading.Lock()
-        self._seen: dict[str, float] = {}  # request id -> when its first copy came
+        self._seen: dict[tuple[str, float], float] = {}  # -> when its first copy came
 
-    def first(self, request_id: str, now: float) -> bool:
+    def first(self, spec: SendSpec, now: float) -> bool:
+        key = (spec.request_id, spec.finished_at)
         with self._lock:
-            if self._seen.pop(request_id, None) is not None:
+            if self._seen.pop(key, None) is not None:
                 return False
             seen = self._seen
-            seen[request_id] = now
+            seen[key] = now
             while next(iter(seen.values())) < now - self.keep_s:
                 del seen[next(iter(seen))]
             return True
@@ -261,8 +267,9 @@ class DirectReceiver(threading.Thread):
 
     def stop(self) -> None:
         self._stopping = True
-        # wake the thread blocked in recv
+        # wake the thread blocked in recv (never blocking here: a full socket is refused)
         with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as poke:
+            poke.setblocking(False)
             poke.sendto(b"", self.path)
         self.join(timeout=5)
         self.sock.close()

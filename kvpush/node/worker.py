@@ -325,7 +325,12 @@ class WorkerSide:
         items = send if self.identity.role == "prefill" else recv
         direct = self.direct is not None and self.identity.role == "prefill"
         for item in items:
-            if direct and not self.copies.first(item.request_id, now):
+            if (
+                direct
+                and isinstance(item, SendSpec)
+                and item.finished_at  # not the scheduler's: never a twin
+                and not self.copies.first(item, now)
+            ):
                 continue  # it came straight from the scheduler, a step ago
             part.inbox.put((item, now))
         if not isinstance(part, LeaseKeeper):
@@ -336,7 +341,7 @@ class WorkerSide:
         """The direct thread: a finished prefill straight from the scheduler, to the writer
         unless the step's metadata brought it first."""
         part = self.part
-        if part is not None and self.copies.first(spec.request_id, at):
+        if part is not None and self.copies.first(spec, at):
             part.inbox.put((spec, at))
 
     def get_finished(self) -> tuple[set[str], set[str]]:

@@ -150,7 +150,13 @@ def test_a_live_socket_is_never_taken_over_and_a_dead_ones_file_is(
 
 def test_of_two_copies_the_first_goes_on_and_one_that_never_gets_its_twin_is_forgotten() -> None:
     copies = FirstCopies(keep_s=10.0)
-    assert copies.first("a", 0.0) and not copies.first("a", 0.001)  # direct, then metadata
-    assert copies.first("b", 1.0) and copies.first("c", 2.0) and len(copies) == 2
-    assert copies.first("d", 11.5) and len(copies) == 2  # b's twin never came: gone
-    assert not copies.first("c", 11.6) and len(copies) == 1
+
+    def spec(request_id: str, finished_at: float = 5.0) -> SendSpec:
+        return SendSpec("t", request_id, (1,), 1, finished_at=finished_at)
+
+    assert copies.first(spec("a"), 0.0) and not copies.first(spec("a"), 0.001)  # twins
+    assert copies.first(spec("b"), 1.0) and copies.first(spec("c"), 2.0) and len(copies) == 2
+    # a client reusing a request id: another finish time, another prefill
+    assert copies.first(spec("c", 6.0), 2.5) and len(copies) == 3
+    assert copies.first(spec("d"), 11.5) and len(copies) == 3  # b's twin never came: gone
+    assert not copies.first(spec("c"), 11.6) and len(copies) == 2

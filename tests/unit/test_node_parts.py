@@ -342,7 +342,7 @@ def test_a_direct_copy_later_than_the_steps_is_dropped_too(
 ) -> None:
     prefill, decode = nodes("push")
     decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
-    spec = SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS)
+    spec = SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS, finished_at=time.monotonic())
     prefill.step(send=(spec,))
     run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
     assert len(prefill.worker.copies) == 1
