@@ -323,7 +323,7 @@ class WorkerSide:
         # prefill takes finished prefills, decode its allocations; both take aborts but
         # a pull prefill, whose request that ended early granted no lease
         items = send if self.identity.role == "prefill" else recv
-        direct = self.direct is not None and self.identity.role == "prefill"
+        direct = self.direct is not None  # a push prefill's: its items are SendSpecs
         for item in items:
             if (
                 direct
