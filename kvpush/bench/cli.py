@@ -37,6 +37,7 @@ from kvpush.args import (
 from kvpush.bench import compare, plot, results, soak, sweep, timed, turns
 from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.report import format_table
+from kvpush.testbed import source
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from kvpush.testbed.pinning import NO_PIN_HELP
 from kvpush.testbed.topology import (
@@ -397,6 +398,11 @@ def show(directory: Path, png: Path, csv: str | None = None) -> int:
         written.append("WARNING: runs from different hosts: " + "; ".join(hosts))
     elif hosts != ["-"]:
         written.append(f"host: {hosts[0]}")
+    codes = sorted({source.describe_code(r.get("code")) for r in loaded})
+    if len(codes) > 1:
+        written.append("WARNING: runs of different kvpush code: " + "; ".join(codes))
+    elif codes != ["-"]:
+        written.append(f"code: {codes[0]}")
     sys.stdout.write(plot.table_csv(rows) if csv_on_stdout else plot.table(rows) + "\n")
     # With the CSV on stdout the rest goes to stderr, so that stdout stays CSV.
     print("\n" + "\n".join(written), file=sys.stderr if csv_on_stdout else sys.stdout)

@@ -34,7 +34,7 @@ from typing import Any
 from kvpush.bench import results as res
 from kvpush.bench import trace
 from kvpush.bench.results import Point, delta_total, engine_step_ms
-from kvpush.testbed import scrape
+from kvpush.testbed import scrape, source
 from kvpush.testbed.pinning import OWN_GROUP, confined, pin_preexec
 from kvpush.testbed.topology import (
     PairSettings,
@@ -529,6 +529,8 @@ def record_head(spec: SweepSpec, point: Point, topology: Topology) -> dict[str, 
         "model": str(spec.pair.model),
         "seed": point.seed(spec.seed),
         "host": res.host_cpu(),  # CPU model, cores, AVX-512 or not: numbers differ by host
+        # the kvpush code the servers ran (its source hash tells edits apart, committed or not)
+        "code": topology.code or source.code_version(),
         # which cores each server ran on, and whether its whole process tree was held there
         "pinning": topology.pinning(),
         # where the proxy took a streamed answer's first token from (None: no proxy)
@@ -654,14 +656,27 @@ def run_sweep(spec: SweepSpec, say: Say = print) -> list[dict[str, Any]]:
         f"{spec.iterations} iterations), {len(points) - len(todo)} already in {spec.out}; "
         f"host: {res.describe_host(res.host_cpu())}"
     )
+    code = source.code_version()
+    say(f"code: {source.describe_code(code)}")
     progress = Progress(len(points), len(points) - len(todo))
-    written = []
+    written: list[dict[str, Any]] = []
+    warned = False
     for iteration, setup, group in spec.groups():
         pending = [p for p in group if p in todo]
         if not pending:
             continue
         say(f"\n== iteration {iteration}, {setup}: {len(pending)} runs")
         written += run_group(spec, setup, pending, progress, say)
+        others = {source.describe_code(r.get("code")) for r in written} - {
+            source.describe_code(code)
+        }
+        if others and not warned:
+            warned = True
+            say(
+                f"WARNING: kvpush's source changed while the sweep ran ({'; '.join(sorted(others))}"
+                f"): its results mix code versions; run the sweep again into a new --out "
+                f"without editing the checkout meanwhile"
+            )
     say(f"\nsweep finished: {progress.bar()}")
     return written
 

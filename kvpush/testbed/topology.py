@@ -34,7 +34,7 @@ from typing import Any
 
 from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.proxy.rewrite import Backend
-from kvpush.testbed import ipc
+from kvpush.testbed import ipc, source
 from kvpush.testbed.hosts import UCX_ENV, Host
 from kvpush.testbed.pinning import (
     OWN_GROUP,
@@ -532,6 +532,7 @@ def build_specs(
             "KVPUSH_SECRET": config.secret,
             "PYTHONUNBUFFERED": "1",
             **(UCX_ENV if host else {}),
+            **source.server_env(),  # the kvpush this process runs, wherever it starts
             **hook_env(config, name),
             **config.extra_env,
         }
@@ -637,6 +638,8 @@ class Topology:
         self.rpc_dirs: dict[str, Path] = {}
         # Per server, the threads `confine` put back on its cores (vLLM had moved them)
         self.moved_back: dict[str, list[str]] = {}
+        # The kvpush code the running servers imported (`source.code_version`), at start
+        self.code: dict[str, Any] | None = None
 
     @property
     def client_cores(self) -> list[int] | None:
@@ -705,6 +708,7 @@ class Topology:
                 + "; stop what holds them or choose another --port / --kv-port"
             )
         ipc.remove_stale()
+        self.code = source.code_version()  # what the servers import, read as they start
         for spec in self.specs:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             if "KVPUSH_HOOK_DIR" in spec.env:

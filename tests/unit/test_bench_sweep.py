@@ -399,3 +399,18 @@ def test_each_run_names_its_host_and_plot_warns_when_hosts_differ(
     assert main(["bench", "plot", str(tmp_path), "--png", str(tmp_path / "b.png")]) == 0
     out = capsys.readouterr().out
     assert "WARNING: runs from different hosts" in out and "Intel Xeon" in out
+
+
+def test_plot_names_the_code_and_warns_when_runs_mix_versions(tmp_path: Path, capsys: Any) -> None:
+    write_recorded_sweep(tmp_path)
+    paths = sorted(tmp_path.glob("*_iter*.json"))
+    code = {"version": "0.1.0", "source": "a" * 16, "commit": "b" * 12, "dirty": False}
+    for path in paths:
+        results.write_result(path, {**json.loads(path.read_text()), "code": code})
+    assert main(["bench", "plot", str(tmp_path), "--png", str(tmp_path / "a.png")]) == 0
+    assert f"code: kvpush 0.1.0 at {'b' * 12}, source {'a' * 16}" in capsys.readouterr().out
+    edited = {**code, "source": "c" * 16, "dirty": True}
+    results.write_result(paths[-1], {**json.loads(paths[-1].read_text()), "code": edited})
+    assert main(["bench", "plot", str(tmp_path), "--png", str(tmp_path / "b.png")]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: runs of different kvpush code" in out and "with changes" in out

@@ -106,6 +106,8 @@ def test_each_server_is_spawned_with_its_cores_as_affinity(
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr(topology.subprocess, "Popen", FakePopen)
     monkeypatch.setattr(topology, "port_in_use", lambda port, host="127.0.0.1": False)
+    # Naming the code asks git in a process of its own: only the servers' spawns are counted
+    monkeypatch.setattr(topology.source, "code_version", lambda: {"source": "test"})
     FakePopen.started = []
     for pin in (True, False):
         work = tmp_path / ("pinned" if pin else "loose")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 from pathlib import Path
 
 import pytest
 
 from kvpush.proxy.server import PROXY_KEY
+from kvpush.testbed import source
 from kvpush.testbed.model import TinyModelSpec, build_tiny_model, ensure_tiny_model
 from kvpush.testbed.topology import (
     SETUPS,
@@ -104,6 +106,8 @@ def test_specs_wire_ports_engine_ids_and_connector_config(tmp_path: Path) -> Non
     off = build_specs(dataclasses.replace(config, prefix_caching=False), cores=[0, 1])
     assert all("--no-enable-prefix-caching" in s.argv for s in off)
     assert specs[0].env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7000"
+    # every server imports the kvpush this process runs, whatever its working directory
+    assert all(s.env["PYTHONPATH"].split(os.pathsep)[0] == str(source.checkout()) for s in specs)
     assert (
         specs[0].env["VLLM_CPU_OMP_THREADS_BIND"],
         specs[2].env["VLLM_CPU_OMP_THREADS_BIND"],

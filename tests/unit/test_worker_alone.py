@@ -170,6 +170,7 @@ def test_the_lone_workers_server_starts_on_both_its_cores(
     is moved aside once the server is up."""
     monkeypatch.setattr(topology.subprocess, "Popen", FakePopen)
     monkeypatch.setattr(topology, "port_in_use", lambda port, host="127.0.0.1": False)
+    monkeypatch.setattr(topology.source, "code_version", lambda: {"source": "test"})  # no git
     FakePopen.started = []
     work = tmp_path / "work"
     config = TopologyConfig(
