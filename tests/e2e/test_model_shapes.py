@@ -57,6 +57,7 @@ SHAPES = {
 VLLM_REFERENCE = {"mla": "vllm-pull-nospin"}  # else one plain vLLM server
 # clear of the shared deployments (BASE_PORT) and the other modules' (+10, +20)
 REFERENCE_PORT = BASE_PORT + 30
+HANDOFF_PATHS = ("direct", "next_step")
 MODE_PORTS = {"kvpush-push": (BASE_PORT + 40, KV_PORT + 40),
               "kvpush-pull": (BASE_PORT + 50, KV_PORT + 50)}  # fmt: skip
 
@@ -152,4 +153,8 @@ def test_answers_equal_a_single_server_and_every_prompt_token_came_by_transfer(
     decode = scrape.scrape(deployment.decode)
     for side in (prefill, decode):
         assert scrape.total(side, "kvpush:failures_total") == 0
+    if setup == "kvpush-push":  # the scheduler's datagram came first, but for a lost race
+        paths = {p: scrape.total(prefill, "kvpush:handoffs_total", path=p) for p in HANDOFF_PATHS}
+        # of the warm-up, len(PROMPTS) answers and the stream, all but two
+        assert paths["direct"] >= len(PROMPTS), paths
     print(f"\n{setup}: ready {run.started_s:.0f} s after launch (both deployments)")

@@ -255,9 +255,7 @@ def pair(
         wait_healthy([prefill, decode])
         backend = prefill.url
         if mode == "push":  # README's proxy line: push names prefill's control address
-            backend = format_backend(
-                Backend(prefill.url, "prefill-0", a.address, CONTROL_PORT, 1)
-            )
+            backend = format_backend(Backend(prefill.url, "prefill-0", a.address, CONTROL_PORT, 1))
         with kvpush_proxy(
             mode, backend, decode.url, PROXY_PORT, work / "proxy.log", REQUEST_TIMEOUT_S
         ) as proxy:
@@ -329,12 +327,18 @@ def test_answers_equal_a_single_server_and_every_prompt_token_crossed(
     pair: Pair,
 ) -> None:
     moved = 0
+    direct = scrape.total(pair.prefill.metrics(), "kvpush:handoffs_total", path="direct")
     for prompt in PROMPTS:
         answer = ask_counted(pair, completion(pair.model, prompt))
         assert answer["choices"][0]["text"] == pair.reference.completions[prompt], prompt
         moved += answer["usage"]["prompt_tokens"]
     answer = ask_counted(pair, chat(pair.model), "/v1/chat/completions")
     assert answer["choices"][0]["message"]["content"] == pair.reference.chat
+    if pair.mode == "push":  # prefill's worker heard of each from its own host's scheduler
+        direct = (
+            scrape.total(pair.prefill.metrics(), "kvpush:handoffs_total", path="direct") - direct
+        )
+        assert direct >= len(PROMPTS), direct  # of len(PROMPTS) + 1: one race may be lost
     report(
         f"HOSTS {pair.mode}: {len(PROMPTS) + 1} answers equal a single server's; "
         f"{moved + answer['usage']['prompt_tokens']} prompt tokens all by KV transfer "

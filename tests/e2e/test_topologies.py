@@ -111,6 +111,8 @@ CASES = {
 }
 DEFAULT = ("2p2d:kvpush-push", "tp2-to-tp1:kvpush-push", "in-process:kvpush-push")
 REFERENCE_PORT = BASE_PORT + 400
+HANDOFFS = "kvpush:handoffs_total"
+HANDOFF_PATHS = ("direct", "next_step")
 BURST = 8
 
 
@@ -263,12 +265,26 @@ def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
             f"refused, the logs say {case.refused!r}"
         )
         return
+    prefills = prefill_urls(deployment, case)
+    handed = {path: sum(totals(prefills, HANDOFFS, path=path)) for path in HANDOFF_PATHS}
     for prompt in PROMPTS:
         before = sum(totals(decodes, EXTERNAL, source="external_kv_transfer"))
         answer = running.ask(completion(model, prompt))
         assert answer["choices"][0]["text"] == reference[prompt], (setup, prompt)
         moved = sum(totals(decodes, EXTERNAL, source="external_kv_transfer")) - before
         assert moved == answer["usage"]["prompt_tokens"], (setup, prompt)
+    if setup == "kvpush-push":
+        # Which way each prefill rank heard of a finished prefill (kvpush.node.direct).
+        # Each rank hears of each; with its worker in a process of its own (vLLM's CPU
+        # backend, any TP) the scheduler's datagram comes first, but for a lost race.
+        grew = {p: sum(totals(prefills, HANDOFFS, path=p)) - handed[p] for p in HANDOFF_PATHS}
+        ranks = 2 if "--prefill-tp" in case.args else 1
+        assert sum(grew.values()) == ranks * len(PROMPTS), grew
+        if dict(case.env).get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            # the worker shares the scheduler's process: it is handed over there, no datagram
+            assert grew["direct"] == 0, grew
+        else:
+            assert grew["next_step"] <= ranks, grew
     for url in [*prefill_urls(deployment, case), *decodes]:
         failures = scrape.total(scrape.scrape(url), "kvpush:failures_total")
         assert failures == 0, f"{url}: {failures:.0f} failures\n{log_excerpt(running.work)}"
