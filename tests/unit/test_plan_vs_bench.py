@@ -42,7 +42,11 @@ at 21588d4, 36 of 36 ok, after the host had slowed down (docs/benchmarks.md).
 sweep-amd-vllm-order/: `--setups kvpush-push,kvpush-pull,vllm-pull-nospin,single
 --first-token decode`, 16:02-16:43 at 1436f20, 72 of 72 ok, the host between the two.
 sweep-amd-rotated/: the sweep-amd grid with four iterations, the setups' order rotated
-(each runs first once), 19:16-20:01 at 67c829f, 96 of 96 ok, the host at its fastest.
+(each runs first once), 19:16-20:01, 96 of 96 ok, the host at its fastest: at 67c829f but
+for kvpush-push's iterations 2-4, whose servers imported a draft of the direct hand-off
+(e883ae2) from the checkout being edited (their files count `kvpush:handoffs_total`).
+sweep-amd-direct/: the same grid again at 1e62d05, 2026-12-05 00:21-01:06, 96 of 96 ok, each
+file naming the code its servers ran (`code`). No test reads the AMD sweeps (no profile there).
 Within 25 % at 8 of 72 and 9 of 54 point-metrics, every prediction low; the sweep's TPOT
 (each token through the proxy and the client, floating over both cores) is what the probes
 miss most (docs/planning.md, "The reference sweeps, vLLM's prefill on its own core").
