@@ -393,16 +393,15 @@ def show(directory: Path, png: Path, csv: str | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    hosts = sorted({results.describe_host(r.get("host")) for r in loaded})
-    if len(hosts) > 1:
-        written.append("WARNING: runs from different hosts: " + "; ".join(hosts))
-    elif hosts != ["-"]:
-        written.append(f"host: {hosts[0]}")
-    codes = sorted({source.describe_code(r.get("code")) for r in loaded})
-    if len(codes) > 1:
-        written.append("WARNING: runs of different kvpush code: " + "; ".join(codes))
-    elif codes != ["-"]:
-        written.append(f"code: {codes[0]}")
+    for label, mixed, describe, key in (
+        ("host", "runs from different hosts", results.describe_host, "host"),
+        ("code", "runs of different kvpush code", source.describe_code, "code"),
+    ):
+        seen = sorted({describe(r.get(key)) for r in loaded})
+        if len(seen) > 1:
+            written.append(f"WARNING: {mixed}: " + "; ".join(seen))
+        elif seen != ["-"]:
+            written.append(f"{label}: {seen[0]}")
     sys.stdout.write(plot.table_csv(rows) if csv_on_stdout else plot.table(rows) + "\n")
     # With the CSV on stdout the rest goes to stderr, so that stdout stays CSV.
     print("\n" + "\n".join(written), file=sys.stderr if csv_on_stdout else sys.stdout)

@@ -656,8 +656,8 @@ def run_sweep(spec: SweepSpec, say: Say = print) -> list[dict[str, Any]]:
         f"{spec.iterations} iterations), {len(points) - len(todo)} already in {spec.out}; "
         f"host: {res.describe_host(res.host_cpu())}"
     )
-    code = source.code_version()
-    say(f"code: {source.describe_code(code)}")
+    code = source.describe_code(source.code_version())
+    say(f"code: {code}")
     progress = Progress(len(points), len(points) - len(todo))
     written: list[dict[str, Any]] = []
     warned = False
@@ -666,10 +666,9 @@ def run_sweep(spec: SweepSpec, say: Say = print) -> list[dict[str, Any]]:
         if not pending:
             continue
         say(f"\n== iteration {iteration}, {setup}: {len(pending)} runs")
-        written += run_group(spec, setup, pending, progress, say)
-        others = {source.describe_code(r.get("code")) for r in written} - {
-            source.describe_code(code)
-        }
+        ran = run_group(spec, setup, pending, progress, say)
+        written += ran
+        others = {source.describe_code(r.get("code")) for r in ran} - {code}
         if others and not warned:
             warned = True
             say(

@@ -66,8 +66,10 @@ def code_version() -> dict[str, Any]:
     and whether the package differs from it (`dirty`)."""
     out: dict[str, Any] = {"version": kvpush.__version__, "source": source_hash()}
     root = checkout()
-    commit = _git(root, "rev-parse", "HEAD") if root is not None else None
-    if root is not None and commit:
+    if root is None:
+        return out
+    commit = _git(root, "rev-parse", "HEAD")
+    if commit:
         status = _git(root, "status", "--porcelain", "--", PACKAGE.name)
         out["commit"] = commit[:12]
         out["dirty"] = bool(status) if status is not None else None
