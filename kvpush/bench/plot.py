@@ -273,6 +273,8 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
             "ttft_mean_ms",
             "servers_ttft_ms",
             "first_token_from_prefill",
+            "queued_ms",
+            "scheduled_to_first_token_ms",
             *(col.replace("/", "_vs_").lower() for col in columns),
             *(col.replace("/", "_vs_").lower() + "_shaky" for col in columns),
         ]
@@ -305,6 +307,8 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
                 number(r.ttft_mean),
                 number(r.servers_ttft_ms),
                 number(r.first_from_prefill),
+                number(r.queued_ms),
+                number(r.forward_ms),
                 *(number(x.value) for x in ratios),
                 *(int(x.shaky) for x in ratios),
             ]

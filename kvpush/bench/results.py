@@ -374,6 +374,27 @@ def servers_ttft_ms(result: dict[str, Any]) -> float | None:
     return None if leg is None else leg + decode
 
 
+def engine_split_ms(result: dict[str, Any]) -> tuple[float | None, float | None]:
+    """Where the first-token server's TTFT went inside its engine core (ms, means over a
+    run's requests): waiting to be scheduled, and scheduled to the end of the step that
+    produced the first token (the forward, and the connector's hooks called on the way
+    out of that step). The rest of `servers_ttft_ms` is the front end and its IPC. Given
+    for a single server and for the first token from prefill, where that one server's
+    TTFT is the servers' share; (None, None) otherwise and for runs recorded without
+    these histograms."""
+    metrics = result.get("metrics") or {}
+    server = "single" if "single" in metrics else None
+    if server is None and result.get("first_token") == "prefill":
+        server = "prefill"
+    if server is None:
+        return None, None
+    deltas = metrics.get(server)
+    return (
+        histogram_mean_ms(deltas, "vllm:request_queue_time_seconds"),
+        histogram_mean_ms(deltas, "vllm:request_prefill_time_seconds"),
+    )
+
+
 def first_token_split(result: dict[str, Any]) -> tuple[int, int]:
     """(streams whose first token the proxy took from prefill, streams that could take it)
     over a run; (0, 0) where not recorded or without a proxy."""
@@ -488,6 +509,9 @@ class Aggregate:
     ttft_mean: float | None = None
     servers_ttft_ms: float | None = None
     first_from_prefill: float | None = None  # median share (`from_prefill`)
+    # the first-token server's queueing and scheduled-to-first-token (`engine_split_ms`)
+    queued_ms: float | None = None
+    forward_ms: float | None = None
 
     @property
     def status(self) -> str:
@@ -551,6 +575,8 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
                 mid("ttft", "mean"),
                 median(servers_ttft_ms(r) for r in good),
                 median(from_prefill(r) for r in good),
+                median(engine_split_ms(r)[0] for r in good),
+                median(engine_split_ms(r)[1] for r in good),
             )
         )
     return rows

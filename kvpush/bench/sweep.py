@@ -66,6 +66,13 @@ VLLM_COUNTERS = (
     "vllm:time_to_first_token_seconds_count",
     "vllm:e2e_request_latency_seconds_sum",
     "vllm:e2e_request_latency_seconds_count",
+    # the engine core's split of a server's TTFT: waiting to be scheduled, then scheduled
+    # to the step that produced the first token (the forward, and the connector's hooks
+    # on the way out of that step); the rest of TTFT is the front end and its IPC
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_count",
 )
 
 

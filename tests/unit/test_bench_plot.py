@@ -79,6 +79,28 @@ def test_a_single_server_is_its_own_share_and_old_runs_have_none() -> None:
     assert results.servers_ttft_ms(old) is None  # recorded before the sweep kept them
 
 
+def test_the_engine_split_is_the_first_token_servers_queue_and_forward() -> None:
+    prefill = {
+        'vllm:request_queue_time_seconds_sum{engine="0"}': 0.002 * 4,
+        'vllm:request_queue_time_seconds_count{engine="0"}': 4,
+        'vllm:request_prefill_time_seconds_sum{engine="0"}': 0.030 * 4,
+        'vllm:request_prefill_time_seconds_count{engine="0"}': 4,
+    }
+    decode = {k: v * 10 for k, v in prefill.items()}
+    result = {"setup": "kvpush-push", "first_token": "prefill"}
+    result["metrics"] = {"prefill": prefill, "decode": decode}
+    assert results.engine_split_ms(result) == pytest.approx((2.0, 30.0))
+    single = {"setup": "single", "metrics": {"single": prefill}}
+    assert results.engine_split_ms(single) == pytest.approx((2.0, 30.0))
+    # decode's first token holds its wait for KV: no single server's split to give
+    assert results.engine_split_ms({**result, "first_token": "decode"}) == (None, None)
+    old = {"setup": "kvpush-push", "first_token": "prefill", "metrics": {"prefill": {}}}
+    assert results.engine_split_ms(old) == (None, None)
+    row = results.aggregate([{**result, "status": "ok", "input_len": 256, "rate": 1.0}])[0]
+    (line,) = list(csv.DictReader(io.StringIO(plot.table_csv([row]))))
+    assert (line["queued_ms"], line["scheduled_to_first_token_ms"]) == ("2", "30")
+
+
 def test_the_table_gives_the_client_mean_ttft_beside_the_servers_share(
     rows: list[results.Aggregate],
 ) -> None:
