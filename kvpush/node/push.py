@@ -15,7 +15,6 @@ Failure rules kept here (the pairing rules are `core.rendezvous`'s):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -40,14 +39,6 @@ from kvpush.node.peers import Moving, PeerLoop, PeerReady, RemoteRank
 from kvpush.node.specs import AbortSpec, SendSpec
 
 log = logging.getLogger("kvpush.worker")
-
-# Decode registers as the request reaches it, so its registration reaches prefill during
-# the forward that computes the prompt, on the forward's core (all of it, on a one-core
-# server) and under the GIL the forward's Python needs. Unless a finished prefill waits
-# for it, a registration is kept aside (`receive`) without waking the writer, which takes
-# it in with the next thing it wakes for (the finished prefill, at the latest) or within
-# PARK_S. Measured on a one-core prefill: the forward ~1 ms shorter (docs/benchmarks.md).
-PARK_S = 0.25
 
 # A WRITE still in flight this long after it was posted is told to decode (`Writing`), so
 # decode progresses its NIXL agent, which UCX's TCP transport needs to take the bytes in.
@@ -78,46 +69,11 @@ class PushWriter(PeerLoop[StartWrite]):
         # fanned-out transfer -> when its fan opened, to forget fans whose prefill never came
         self._fan_opened: dict[str, float] = {}
         self._counted = dict.fromkeys(_FAILURE_STATS, 0)
-        # registrations the control thread kept aside (`receive`), oldest first
-        self._parked: collections.deque[tuple[Registered, float]] = collections.deque()
-        # when this thread's wait for its inbox ends by itself (inf: never); 0 while awake
-        self.wakes_at = 0.0
-
-    def receive(self, item: Registered) -> None:
-        """Control thread: a registration, for this thread to take in when it next wakes.
-        It is woken for it only when a finished prefill waits (or a fan-out is open), or
-        when it would otherwise sleep past PARK_S.
-
-        No registration is left behind: this appends, then reads `wakes_at`; the writer
-        sets `wakes_at`, then looks for parked registrations before it waits (`wait_time`).
-        One of the two sees the other (the GIL orders them)."""
-        now = time.monotonic()
-        self._parked.append((item, now))
-        r = self.rendezvous
-        if r.waiting_prefills or len(self.fanout) or self.wakes_at > now + PARK_S:
-            self.inbox.put((_WAKE, now))
-
-    def wait_time(self) -> float | None:
-        wait = super().wait_time()
-        if self.rendezvous.tombstones or self.rendezvous.waiting_registrations:
-            # requests came lately: wake now and then for parked registrations, rather
-            # than be woken by each
-            wait = PARK_S if wait is None else min(wait, PARK_S)
-        self.wakes_at = float("inf") if wait is None else time.monotonic() + wait
-        if self._parked:
-            wait = 0.0  # parked while this thread was busy: take them in first
-        return wait
-
-    def _take_parked(self) -> None:
-        self.wakes_at = 0.0
-        while self._parked:
-            item, at = self._parked.popleft()
-            self._handle(item, at)
 
     def gauges(self) -> dict[str, float]:
         r = self.rendezvous
         return {
-            "prefill_waiting_registrations": r.waiting_registrations + len(self._parked),
+            "prefill_waiting_registrations": r.waiting_registrations,
             "prefill_waiting_prefills": r.waiting_prefills,
             "prefill_held_blocks": r.held_blocks,
             "prefill_writes_in_flight": r.writes_in_flight,
@@ -130,11 +86,6 @@ class PushWriter(PeerLoop[StartWrite]):
         return self.rendezvous.next_deadline()
 
     def handle(self, item: object, at: float) -> None:
-        self._take_parked()  # a registration before the finished prefill it pairs with
-        if item is not _WAKE:
-            self._handle(item, at)
-
-    def _handle(self, item: object, at: float) -> None:
         now = time.monotonic()
         self.act(self.rendezvous.expire(now))  # nothing past its deadline pairs up
         if isinstance(item, Registered):
@@ -197,7 +148,6 @@ class PushWriter(PeerLoop[StartWrite]):
                     self._post(start, peer)
 
     def tick(self) -> None:
-        self._take_parked()
         now = time.monotonic()
         for moving, error in self.ended():
             self._finish(moving, error, now)
@@ -428,9 +378,6 @@ class PushWriter(PeerLoop[StartWrite]):
             return
         reg = item.start.registration
         self.act(self.rendezvous.write_finished(reg.transfer_id, reg.generation, True, "", now))
-
-
-_WAKE = object()  # control thread -> writer: take in the parked registrations now
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -259,11 +259,7 @@ class WorkerSide:
                 return None
             if self.config.faults.fires("drop_registration", msg.transfer_id):
                 return None
-            registered = Registered(msg, hello, peer.conn_id)
-            if isinstance(part, PushWriter):
-                part.receive(registered)  # taken in when the writer next wakes
-            else:
-                part.enqueue(registered)
+            part.enqueue(Registered(msg, hello, peer.conn_id))
             return None
 
         return route

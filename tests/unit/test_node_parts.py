@@ -22,7 +22,6 @@ from kvpush.core.protocol import Cancel, Hello, Registration
 from kvpush.core.rendezvous import Rendezvous
 from kvpush.dataplane.control import ControlClient, ControlServer
 from kvpush.dataplane.transport import TransferError
-from kvpush.node import push
 from kvpush.node.config import KvpushConfig
 from kvpush.node.context import Identity
 from kvpush.node.pull import LeaseKeeper
@@ -561,40 +560,6 @@ def test_pull_decode_reads_nothing_from_another_engine_than_its_coordinates_name
     run_until((prefill, decode), lambda: bool(decode.recving))
     assert decode.load_errors == {1, 9, 3} and decode.transport.posted == []
     assert decode.worker.stats_data()["failures"].get("bad_grant") == 1
-
-
-def test_push_prefill_takes_a_registration_in_when_it_pairs_not_when_it_arrives(
-    nodes: Callable[..., tuple[Node, Node]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A registration reaches prefill during the forward that computes its prompt: the
-    writer is woken for it only if the finished prefill already waits, else it takes it
-    in with that prefill (or within PARK_S, made long here so only pairing can)."""
-    monkeypatch.setattr(push, "PARK_S", 30.0)
-    prefill, decode = nodes("push")
-    # a first transfer, prefill finished first: decode's registration wakes the writer
-    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
-    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
-    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
-    writer = prefill.worker.part
-    assert isinstance(writer, push.PushWriter)
-    assert writer.rendezvous.tombstones and writer.wakes_at < float("inf")
-    # the next registration comes before its prefill finished: it waits, parked
-    second = dataclasses.replace(recv_spec(prefill, (2, 4, 6)), transfer_id="t2", request_id="d2")
-    decode.step(recv=(second,))
-    deadline = time.monotonic() + 5
-    while not writer._parked:
-        assert time.monotonic() < deadline, "the registration never reached prefill"
-        time.sleep(0.01)
-    time.sleep(0.3)
-    assert len(writer._parked) == 1 and writer.rendezvous.waiting_registrations == 0
-    assert writer.gauges()["prefill_waiting_registrations"] == 1
-    # its prefill finishes: paired and written at once, not after PARK_S
-    prefill.step(send=(SendSpec("t2", "p2", PREFILL_BLOCKS, NUM_TOKENS),))
-    took = run_until((prefill, decode), lambda: "d2" in decode.recving and "p2" in prefill.sending)
-    assert took < 5.0 and not writer._parked and len(prefill.transport.posted) == 2
-    assert np.array_equal(
-        decode.kv.tokens((2, 4, 6), NUM_TOKENS), prefill.kv.tokens(PREFILL_BLOCKS, NUM_TOKENS)
-    )
 
 
 def test_push_never_posts_a_write_after_its_registrations_deadline(
