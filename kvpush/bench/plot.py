@@ -308,7 +308,7 @@ def table_csv(rows: Sequence[Aggregate]) -> str:
                 number(r.servers_ttft_ms),
                 number(r.first_from_prefill),
                 number(r.queued_ms),
-                number(r.forward_ms),
+                number(r.to_first_token_ms),
                 *(number(x.value) for x in ratios),
                 *(int(x.shaky) for x in ratios),
             ]

@@ -359,11 +359,9 @@ def servers_ttft_ms(result: dict[str, Any]) -> float | None:
     these histograms."""
     metrics = result.get("metrics") or {}
     ttft = "vllm:time_to_first_token_seconds"
-    if "single" in metrics:
-        return histogram_mean_ms(metrics["single"], ttft)
-    source = result.get("first_token")
-    if source == "prefill":
-        return histogram_mean_ms(metrics.get("prefill"), ttft)
+    alone = _one_server_first(result)
+    if alone is not None:
+        return histogram_mean_ms(metrics.get(alone), ttft)
     decode = histogram_mean_ms(metrics.get("decode"), ttft)
     from kvpush.testbed.topology import SETUPS  # here: only this case needs the setups
 
@@ -374,6 +372,14 @@ def servers_ttft_ms(result: dict[str, Any]) -> float | None:
     return None if leg is None else leg + decode
 
 
+def _one_server_first(result: dict[str, Any]) -> str | None:
+    """The server whose own TTFT is the servers' share of a run's first token: the single
+    server, or prefill where it sends the first token; None where two servers share it."""
+    if "single" in (result.get("metrics") or {}):
+        return "single"
+    return "prefill" if result.get("first_token") == "prefill" else None
+
+
 def engine_split_ms(result: dict[str, Any]) -> tuple[float | None, float | None]:
     """Where the first-token server's TTFT went inside its engine core (ms, means over a
     run's requests): waiting to be scheduled, and scheduled to the end of the step that
@@ -382,13 +388,10 @@ def engine_split_ms(result: dict[str, Any]) -> tuple[float | None, float | None]
     for a single server and for the first token from prefill, where that one server's
     TTFT is the servers' share; (None, None) otherwise and for runs recorded without
     these histograms."""
-    metrics = result.get("metrics") or {}
-    server = "single" if "single" in metrics else None
-    if server is None and result.get("first_token") == "prefill":
-        server = "prefill"
+    server = _one_server_first(result)
     if server is None:
         return None, None
-    deltas = metrics.get(server)
+    deltas = (result.get("metrics") or {}).get(server)
     return (
         histogram_mean_ms(deltas, "vllm:request_queue_time_seconds"),
         histogram_mean_ms(deltas, "vllm:request_prefill_time_seconds"),
@@ -511,7 +514,7 @@ class Aggregate:
     first_from_prefill: float | None = None  # median share (`from_prefill`)
     # the first-token server's queueing and scheduled-to-first-token (`engine_split_ms`)
     queued_ms: float | None = None
-    forward_ms: float | None = None
+    to_first_token_ms: float | None = None
 
     @property
     def status(self) -> str:
@@ -547,6 +550,7 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
         ok_runs = [r for r in runs if r["status"] == "ok"]
         partial = not ok_runs and any(r.get("completed") for r in runs)
         good = ok_runs or [r for r in runs if r.get("completed")]
+        splits = [engine_split_ms(r) for r in good]
 
         def mid(metric: str, stat: str, good: list[dict[str, Any]] = good) -> float | None:
             return median((r.get(metric) or {}).get(stat) for r in good)
@@ -575,8 +579,8 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[Aggregate]:
                 mid("ttft", "mean"),
                 median(servers_ttft_ms(r) for r in good),
                 median(from_prefill(r) for r in good),
-                median(engine_split_ms(r)[0] for r in good),
-                median(engine_split_ms(r)[1] for r in good),
+                median(queued for queued, _ in splits),
+                median(scheduled for _, scheduled in splits),
             )
         )
     return rows
