@@ -47,6 +47,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 Piece = tuple[int, int]
+# (address, length) pieces: a list, or a [pieces, 2] uint64 array (`node.layout.block_pieces`)
+Pieces = Sequence[Piece] | np.ndarray[Any, np.dtype[np.uint64]]
+# Prepared descriptors named by index: a list, or an int32 array (`node.layout.piece_indices`)
+Indices = Sequence[int] | np.ndarray[Any, np.dtype[np.int32]]
 """(address, length) in bytes."""
 
 MEM_TYPES = ("DRAM", "VRAM")
@@ -426,8 +430,8 @@ class NixlTransport:
     def prepare_peer_blocks(
         self,
         peer: str,
-        local_blocks: list[tuple[int, int]],
-        remote_blocks: list[tuple[int, int]],
+        local_blocks: Pieces,
+        remote_blocks: Pieces,
         remote_mem: str | None = None,
     ) -> None:
         """Prepare descriptor lists once per peer: every local and every remote block.
@@ -436,7 +440,7 @@ class NixlTransport:
         descriptors adjacent on both sides, so a run of consecutive blocks moves as one.
         Preparing again replaces the previous lists.
         """
-        if not local_blocks or not remote_blocks:
+        if not len(local_blocks) or not len(remote_blocks):
             raise ValueError("prepare_peer_blocks needs at least one local and one remote block")
         agent = self._live()
         with self._lock:
@@ -461,19 +465,19 @@ class NixlTransport:
             old.release()
 
     def write_blocks(
-        self, peer: str, local_idx: list[int], remote_idx: list[int], notif: bytes = b""
+        self, peer: str, local_idx: Indices, remote_idx: Indices, notif: bytes = b""
     ) -> Transfer:
         """WRITE local blocks `local_idx` into the peer's blocks `remote_idx` (pairwise)."""
         return self._post_prepared("WRITE", peer, local_idx, remote_idx, notif)
 
     def read_blocks(
-        self, peer: str, local_idx: list[int], remote_idx: list[int], notif: bytes = b""
+        self, peer: str, local_idx: Indices, remote_idx: Indices, notif: bytes = b""
     ) -> Transfer:
         """READ the peer's blocks `remote_idx` into local blocks `local_idx` (pairwise)."""
         return self._post_prepared("READ", peer, local_idx, remote_idx, notif)
 
     def _post_prepared(
-        self, op: str, peer: str, local_idx: list[int], remote_idx: list[int], notif: bytes
+        self, op: str, peer: str, local_idx: Indices, remote_idx: Indices, notif: bytes
     ) -> Transfer:
         if len(local_idx) != len(remote_idx):
             raise ValueError(
@@ -491,19 +495,24 @@ class NixlTransport:
                 ("local", local_idx, prepared.num_local),
                 ("remote", remote_idx, prepared.num_remote),
             ):
-                if idx and (min(idx) < 0 or max(idx) >= size):
+                if len(idx) and (int(np.min(idx)) < 0 or int(np.max(idx)) >= size):
                     raise ValueError(
                         f"{op}: {side} block index outside the {size} prepared blocks"
                     )
-            if local_idx:  # in flight from here: the peer stays loaded
+            if len(local_idx):  # in flight from here: the peer stays loaded
                 self._in_flight[peer] = self._in_flight.get(peer, 0) + 1
         what = f"{op} of {len(local_idx)} blocks {'to' if op == 'WRITE' else 'from'} {peer}"
-        if not local_idx:
+        if not len(local_idx):
             return self._notify_only(peer, notif, what)
         try:
             agent = self._live()
             handle = agent.make_prepped_xfer(
-                op, prepared.local, local_idx, prepared.remote, remote_idx, notif
+                op,
+                prepared.local,
+                np.asarray(local_idx, dtype=np.int32),
+                prepared.remote,
+                np.asarray(remote_idx, dtype=np.int32),
+                notif,
             )
         except Exception as exc:
             self._released(peer)
@@ -592,9 +601,9 @@ class NixlTransport:
             self.send_notif(peer, notif)
         return Transfer.completed(what)
 
-    def _descs(self, pieces: Sequence[Piece]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    def _descs(self, pieces: Pieces) -> np.ndarray[Any, np.dtype[np.uint64]]:
         descs = np.empty((len(pieces), 3), dtype=np.uint64)
-        if pieces:
+        if len(pieces):
             descs[:, :2] = pieces
         descs[:, 2] = self._device
         return descs

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvpush.core.planning import KVLayout
 from kvpush.core.protocol import Hello
 from kvpush.dataplane.control import ControlClient
 from kvpush.node.config import KvpushConfig
 from kvpush.node.results import Results
+
+if TYPE_CHECKING:
+    from kvpush.dataplane.transport import Indices, Pieces
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +59,17 @@ class Transport(Protocol):
     def prepare_peer_blocks(
         self,
         peer: str,
-        local_blocks: list[tuple[int, int]],
-        remote_blocks: list[tuple[int, int]],
+        local_blocks: Pieces,
+        remote_blocks: Pieces,
         remote_mem: str | None = None,
     ) -> None: ...
 
     def write_blocks(
-        self, peer: str, local_idx: list[int], remote_idx: list[int], notif: bytes = b""
+        self, peer: str, local_idx: Indices, remote_idx: Indices, notif: bytes = b""
     ) -> Transfer: ...
 
     def read_blocks(
-        self, peer: str, local_idx: list[int], remote_idx: list[int], notif: bytes = b""
+        self, peer: str, local_idx: Indices, remote_idx: Indices, notif: bytes = b""
     ) -> Transfer: ...
 
     def write(

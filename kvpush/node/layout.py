@@ -6,30 +6,53 @@ every piece of every block once per peer, and a transfer names pieces by index.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
 from kvpush.core.planning import KVLayout
+from kvpush.dataplane.transport import Indices, Pieces
+
+# NIXL names prepared descriptors by int32 index
+MAX_PIECES = 2**31 - 1
 
 
-def block_pieces(layout: KVLayout) -> list[tuple[int, int]]:
+def block_pieces(layout: KVLayout) -> Pieces:
     """Every contiguous piece of every kernel block, region-major then block-major: what
-    the prepared fast path indexes (`piece_indices`)."""
-    chunks = layout.block_chunks()
-    return [
-        (base + block * layout.block_stride + offset, length)
-        for base in layout.region_bases
-        for block in range(layout.num_blocks)
-        for offset, length in chunks
-    ]
+    the prepared fast path indexes (`piece_indices`). One (address, length) row each.
+
+    Built with numpy: a GPU's cache holds tens of thousands of blocks in each of 64
+    regions, millions of pieces, which Python tuples took seconds to list (and as long
+    again to hand NIXL) on the handshake thread, holding the GIL."""
+    chunks = np.array(layout.block_chunks(), dtype=np.int64)  # [piece, (offset, length)]
+    bases = np.array(layout.region_bases, dtype=np.int64)
+    blocks = np.arange(layout.num_blocks, dtype=np.int64) * layout.block_stride
+    starts = bases[:, None, None] + blocks[None, :, None] + chunks[None, None, :, 0]
+    pieces = np.empty((starts.size, 2), dtype=np.uint64)
+    pieces[:, 0] = starts.reshape(-1)
+    pieces[:, 1] = np.broadcast_to(chunks[:, 1], starts.shape).reshape(-1)
+    return pieces
 
 
-def piece_indices(layout: KVLayout, block_ids: list[int]) -> list[int]:
-    """Indices into `block_pieces(layout)` of scheduler blocks `block_ids`, every region."""
+def piece_indices(layout: KVLayout, block_ids: Sequence[int]) -> Indices:
+    """Indices into `block_pieces(layout)` of scheduler blocks `block_ids`, every region,
+    region-major, then block, sub-block and piece: int32, as NIXL takes them.
+
+    Built with numpy: a long prompt on a real model names regions x blocks pieces (64 x
+    1,024 for 16k tokens of a 32-layer model with K and V apart), which a Python loop
+    took ~70 ms to list on the thread that posts the transfer, holding the GIL."""
     chunks = len(layout.block_chunks())
     sub = layout.sub_blocks
     per_region = layout.num_blocks * chunks
-    return [
-        region * per_region + (b * sub + j) * chunks + c
-        for region in range(layout.num_regions)
-        for b in block_ids
-        for j in range(sub)
-        for c in range(chunks)
-    ]
+    if layout.num_regions * per_region > MAX_PIECES:
+        raise ValueError(
+            f"{layout.num_regions} regions x {per_region} pieces exceed the "
+            f"{MAX_PIECES} NIXL can index"
+        )
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    cells = (blocks[:, None] * sub + np.arange(sub)) * chunks  # [block, sub-block]
+    within = (cells[:, :, None] + np.arange(chunks)).reshape(-1)  # ... then piece
+    regions = np.arange(layout.num_regions, dtype=np.int64)[:, None] * per_region
+    indices: np.ndarray[Any, np.dtype[np.int32]] = (regions + within).reshape(-1).astype(np.int32)
+    return indices

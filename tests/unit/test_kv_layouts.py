@@ -105,6 +105,14 @@ def test_scheduler_blocks_split_into_kernel_blocks(layout: KVCacheLayout) -> Non
     plan = plan_transfer(cache.layout, [3, 1], cache.layout, [3, 1], 128)
     planned = [(s, n) for s, _, n in plan.descriptors()]
     assert np.array_equal(addresses(planned, base, size), vllm_mask(cache, [3, 1]))
+    # the prepared fast path names each scheduler block's kernel blocks, every layer
+    pieces = block_pieces(cache.layout)
+    assert isinstance(pieces, np.ndarray) and pieces.dtype == np.uint64 and pieces.shape[1] == 2
+    indices = piece_indices(cache.layout, [3, 1])
+    assert isinstance(indices, np.ndarray) and indices.dtype == np.int32  # as NIXL takes them
+    fast = [pieces[i] for i in indices]
+    assert np.array_equal(addresses(fast, base, size), vllm_mask(cache, [3, 1]))
+    assert len(piece_indices(cache.layout, [])) == 0
 
 
 def copy(descriptors: list[tuple[int, int, int]]) -> None:

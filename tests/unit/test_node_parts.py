@@ -21,7 +21,7 @@ import pytest
 from kvpush.core.protocol import Cancel, Hello, Registration
 from kvpush.core.rendezvous import Rendezvous
 from kvpush.dataplane.control import ControlClient, ControlServer
-from kvpush.dataplane.transport import TransferError
+from kvpush.dataplane.transport import Indices, Pieces, TransferError
 from kvpush.node.config import KvpushConfig
 from kvpush.node.context import Identity
 from kvpush.node.pull import LeaseKeeper
@@ -62,6 +62,11 @@ class FakeTransfer:
         return True
 
 
+def _listed(pieces: Pieces) -> list[Piece]:
+    """(address, length) rows as Python ints, as memmove takes them."""
+    return [(int(address), int(length)) for address, length in pieces]
+
+
 @dataclass
 class FakeTransport:
     """The part of `NixlTransport` a node uses, copying in-process."""
@@ -80,11 +85,11 @@ class FakeTransport:
     def prepare_peer_blocks(
         self,
         peer: str,
-        local_blocks: list[Piece],
-        remote_blocks: list[Piece],
+        local_blocks: Pieces,
+        remote_blocks: Pieces,
         remote_mem: str | None = None,
     ) -> None:
-        self.prepared[peer] = (local_blocks, remote_blocks)
+        self.prepared[peer] = (_listed(local_blocks), _listed(remote_blocks))
 
     def _post(self, what: str, pairs: list[tuple[Piece, Piece]]) -> FakeTransfer:
         copies = []
@@ -96,14 +101,14 @@ class FakeTransport:
         return transfer
 
     def write_blocks(
-        self, peer: str, local_idx: list[int], remote_idx: list[int], notif: bytes = b""
+        self, peer: str, local_idx: Indices, remote_idx: Indices, notif: bytes = b""
     ) -> FakeTransfer:
         local, remote = self.prepared[peer]
         pairs = [(local[i], remote[j]) for i, j in zip(local_idx, remote_idx, strict=True)]
         return self._post(f"WRITE to {peer}", pairs)
 
     def read_blocks(
-        self, peer: str, local_idx: list[int], remote_idx: list[int], notif: bytes = b""
+        self, peer: str, local_idx: Indices, remote_idx: Indices, notif: bytes = b""
     ) -> FakeTransfer:
         local, remote = self.prepared[peer]
         pairs = [(remote[j], local[i]) for i, j in zip(local_idx, remote_idx, strict=True)]
