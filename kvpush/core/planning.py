@@ -26,6 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    Rows = np.ndarray[Any, np.dtype[np.int64]]
+    """Descriptors as an [N, 3] int64 array of (src_addr, dst_addr, length) rows."""
 
 Descriptor = tuple[int, int, int]
 """(src_addr, dst_addr, length) in bytes."""
@@ -187,37 +194,70 @@ class PlanSummary:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class WritePlan:
-    """Descriptors per region; each region's list is sorted by transfer order."""
+    """One region's descriptors as offsets from the regions' bases (`pattern`, [P, 3]
+    int64 rows sorted by source), shifted to every region pair: all regions share one
+    geometry, so a plan holds P rows however many regions the model has."""
 
-    regions: tuple[tuple[Descriptor, ...], ...]
+    pattern: Rows
+    src_bases: tuple[int, ...]
+    dst_bases: tuple[int, ...]
+
+    @property
+    def regions(self) -> tuple[tuple[Descriptor, ...], ...]:
+        """Descriptors per region, as Python tuples (for reading; `descriptors()` for use)."""
+        rows = self.pattern.tolist()
+        return tuple(
+            tuple((s + sb, d + db, n) for s, d, n in rows)
+            for sb, db in zip(self.src_bases, self.dst_bases, strict=True)
+        )
 
     @property
     def num_descriptors(self) -> int:
-        return sum(len(descs) for descs in self.regions)
+        return len(self.pattern) * len(self.src_bases)
 
     @property
     def total_bytes(self) -> int:
-        return sum(length for descs in self.regions for _, _, length in descs)
+        return int(self.pattern[:, 2].sum()) * len(self.src_bases)
 
     def summary(self) -> PlanSummary:
-        return PlanSummary(len(self.regions), self.num_descriptors, self.total_bytes)
+        return PlanSummary(len(self.src_bases), self.num_descriptors, self.total_bytes)
 
-    def descriptors(self) -> list[Descriptor]:
-        """Every descriptor, joined across regions where both sides continue each other
-        (layouts that put all layers of a block together move a block as one run)."""
-        return coalesce([d for region in self.regions for d in region])
+    def descriptors(self) -> Rows:
+        """Every descriptor, [N, 3] int64 rows in source order, joined across regions where
+        both sides continue each other (layouts that put all layers of a block together
+        move a block as one run)."""
+        import numpy as np
+
+        order = np.argsort(np.array(self.src_bases, dtype=np.int64), kind="stable")
+        rows = np.empty((len(order), len(self.pattern), 3), dtype=np.int64)
+        rows[:] = self.pattern
+        rows[:, :, 0] += np.array(self.src_bases, dtype=np.int64)[order, None]
+        rows[:, :, 1] += np.array(self.dst_bases, dtype=np.int64)[order, None]
+        return coalesce(rows.reshape(-1, 3))
 
 
-def coalesce(descriptors: Sequence[Descriptor]) -> list[Descriptor]:
-    """`descriptors` in source order, adjacent ones (on both sides) joined."""
-    out: list[Descriptor] = []
-    for s, d, n in sorted(descriptors):
-        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
-        else:
-            out.append((s, d, n))
+def coalesce(descriptors: Sequence[Descriptor] | Rows) -> Rows:
+    """`descriptors` in source order, adjacent ones (on both sides) joined; [N, 3] int64.
+
+    Vectorized: a long prompt on a model with K and V apart makes hundreds of thousands of
+    descriptors when the sides cut blocks differently (TP 1 to TP 2 in token-major
+    layouts: one per token, head range and layer), which a Python loop took a second to
+    sort and join on the thread that posts the transfer, holding the GIL."""
+    import numpy as np
+
+    rows: Rows = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
+    if len(rows) < 2:
+        return rows.copy()
+    starts = rows[:, 0]
+    if not bool(np.all(starts[1:] > starts[:-1])):  # cells never overlap: starts differ
+        rows = rows[np.argsort(starts, kind="stable")]
+    ends = rows[:-1, :2] + rows[:-1, 2:3]
+    breaks = np.flatnonzero((rows[1:, 0] != ends[:, 0]) | (rows[1:, 1] != ends[:, 1])) + 1
+    first = np.concatenate(([0], breaks))
+    out: Rows = rows[first]
+    out[:, 2] = np.add.reduceat(rows[:, 2], first)
     return out
 
 
@@ -397,12 +437,7 @@ def plan_transfer(
         first_token,
         num_tokens,
     )
-    return WritePlan(
-        tuple(
-            tuple((s + src_base, d + dst_base, n) for s, d, n in pattern)
-            for src_base, dst_base in zip(src.region_bases, dst.region_bases, strict=True)
-        )
-    )
+    return WritePlan(pattern, src.region_bases, dst.region_bases)
 
 
 def _check_rank(side: str, rank: int, tp_size: int) -> None:
@@ -438,7 +473,7 @@ def blocks_needed(layout: KVLayout, first_token: int, num_tokens: int) -> int:
 @dataclass(frozen=True, slots=True)
 class _Side:
     layout: KVLayout
-    blocks: Sequence[int]  # kernel block ids, the first holding kernel block `first_block`
+    blocks: Any  # kernel block ids (int64 array), the first holding kernel block `first_block`
     first_block: int
     head_offset: int  # first moved head, local to this rank
 
@@ -454,6 +489,8 @@ class _Side:
         first_token: int,
         num_tokens: int,
     ) -> _Side:
+        import numpy as np
+
         needed = blocks_needed(layout, first_token, num_tokens)
         if len(block_ids) < needed:
             raise PlanError(
@@ -462,81 +499,58 @@ class _Side:
             )
         check_block_ids(side, layout, block_ids)
         sub = layout.sub_blocks
-        used = block_ids[:needed]
-        kernel = used if sub == 1 else [b * sub + j for b in used for j in range(sub)]
+        used = np.asarray(block_ids[:needed], dtype=np.int64)
+        kernel = (used[:, None] * sub + np.arange(sub)).reshape(-1)
         first_block = first_token // layout.block_tokens * sub
         rank_first, _ = head_range(rank, tp, layout.total_heads)
         return cls(layout, kernel, first_block, first_head - rank_first)
 
-    def cell(self, token: int) -> tuple[int, int]:
-        """Offset of the first moved head of `token`, and tokens left in its block."""
+    def cells(self, tokens: Any) -> Any:
+        """Offset of the first moved head of each of `tokens` (an int64 array)."""
         layout = self.layout
-        index, offset = divmod(token, layout.block_size)
-        block = self.blocks[index - self.first_block]
-        start = (
-            block * layout.block_stride
+        index, offset = tokens // layout.block_size, tokens % layout.block_size
+        return (
+            self.blocks[index - self.first_block] * layout.block_stride
             + self.head_offset * layout.head_stride
             + offset * layout.token_stride
         )
-        return start, layout.block_size - offset
 
 
 def _region_pattern(
     src: _Side, dst: _Side, heads: int, first_token: int, num_tokens: int
-) -> list[Descriptor]:
-    """Merged descriptors for one region, as offsets from the regions' bases.
+) -> Rows:
+    """Merged descriptors for one region, as offsets from the regions' bases: [P, 3] int64
+    rows in source order.
 
-    Tokens are cut into pieces that stay inside one block on both sides. A piece is
-    `heads` x `count` cells; it is walked along the dimension that is contiguous on both
-    sides (tokens inside a head, or heads inside a token), else cell by cell, and a
-    dimension whose runs follow each other on both sides collapses into one run. Runs
-    adjacent on both sides are merged, which is what joins consecutive whole blocks into
-    one descriptor.
+    Each token's moved heads are listed along the dimension that is contiguous on both
+    sides: a run of tokens per head and piece (a piece stays inside one block on both
+    sides) when tokens are innermost, a run of heads per token when heads are, else one
+    cell per head and token. Rows adjacent on both sides then merge, which is what joins
+    consecutive tokens, heads and whole blocks into one descriptor.
     """
+    import numpy as np
+
     s_lay, d_lay = src.layout, dst.layout
     unit = s_lay.unit_bytes
-    tokens_inner = s_lay.token_stride == unit and d_lay.token_stride == unit
-    heads_inner = s_lay.head_stride == unit and d_lay.head_stride == unit
-    out: list[Descriptor] = []
-    run_src = run_dst = run_len = 0
-
-    def add(s: int, d: int, n: int) -> None:
-        nonlocal run_src, run_dst, run_len
-        if run_len and run_src + run_len == s and run_dst + run_len == d:
-            run_len += n
-            return
-        if run_len:
-            out.append((run_src, run_dst, run_len))
-        run_src, run_dst, run_len = s, d, n
-
-    token = first_token
-    while token < num_tokens:
-        s_base, s_left = src.cell(token)
-        d_base, d_left = dst.cell(token)
-        count = min(s_left, d_left, num_tokens - token)
-        if tokens_inner:  # per head, `count` tokens
-            inner, outer = count * unit, heads
-            s_step, d_step = s_lay.head_stride, d_lay.head_stride
-        elif heads_inner or heads == 1:  # per token, `heads` heads
-            inner, outer = heads * unit, count
-            s_step, d_step = s_lay.token_stride, d_lay.token_stride
-        else:
-            for h in range(heads):
-                for t in range(count):
-                    add(
-                        s_base + h * s_lay.head_stride + t * s_lay.token_stride,
-                        d_base + h * d_lay.head_stride + t * d_lay.token_stride,
-                        unit,
-                    )
-            token += count
-            continue
-        if outer == 1 or (s_step == inner and d_step == inner):
-            add(s_base, d_base, inner * outer)
-        else:
-            for o in range(outer):
-                add(s_base + o * s_step, d_base + o * d_step, inner)
-        token += count
-    if run_len:
-        out.append((run_src, run_dst, run_len))
-    # a walk by blocks leaves runs that continue across blocks (heads outside blocks)
-    return coalesce(out) if len(out) > 1 else out
+    tokens = np.arange(first_token, num_tokens, dtype=np.int64)
+    if tokens.size == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    head = np.arange(heads, dtype=np.int64)
+    if s_lay.token_stride == unit and d_lay.token_stride == unit:  # per head and piece
+        cut = (tokens % s_lay.block_size == 0) | (tokens % d_lay.block_size == 0)
+        cut[0] = True
+        first = np.flatnonzero(cut)
+        count = np.diff(np.append(first, tokens.size))
+        at = tokens[first]
+        s = src.cells(at)[:, None] + head * s_lay.head_stride
+        d = dst.cells(at)[:, None] + head * d_lay.head_stride
+        n = np.broadcast_to((count * unit)[:, None], s.shape)
+    elif heads == 1 or (s_lay.head_stride == unit and d_lay.head_stride == unit):  # per token
+        s, d = src.cells(tokens), dst.cells(tokens)
+        n = np.full(s.shape, heads * unit, dtype=np.int64)
+    else:  # per head and token
+        s = src.cells(tokens)[:, None] + head * s_lay.head_stride
+        d = dst.cells(tokens)[:, None] + head * d_lay.head_stride
+        n = np.full(s.shape, unit, dtype=np.int64)
+    rows = np.stack((s.reshape(-1), d.reshape(-1), n.reshape(-1)), axis=1)
+    return coalesce(rows)

@@ -524,8 +524,8 @@ class NixlTransport:
     def write(
         self,
         peer: str,
-        src: list[tuple[int, int]],
-        dst: list[tuple[int, int]],
+        src: Pieces,
+        dst: Pieces,
         notif: bytes = b"",
         remote_mem: str | None = None,
     ) -> Transfer:
@@ -535,8 +535,8 @@ class NixlTransport:
     def read(
         self,
         peer: str,
-        src_remote: list[tuple[int, int]],
-        dst_local: list[tuple[int, int]],
+        src_remote: Pieces,
+        dst_local: Pieces,
         notif: bytes = b"",
         remote_mem: str | None = None,
     ) -> Transfer:
@@ -547,8 +547,8 @@ class NixlTransport:
         self,
         op: str,
         peer: str,
-        local: list[Piece],
-        remote: list[Piece],
+        local: Pieces,
+        remote: Pieces,
         notif: bytes,
         remote_mem: str | None,
     ) -> Transfer:
@@ -557,22 +557,27 @@ class NixlTransport:
                 f"{op} has {len(local)} local and {len(remote)} remote pieces; "
                 "they pair up one to one"
             )
-        for i, ((_, a), (_, b)) in enumerate(zip(local, remote, strict=True)):
-            if a != b:
-                raise ValueError(f"{op} piece {i}: local length {a} != remote length {b}")
+        local_descs, remote_descs = self._descs(local), self._descs(remote)
+        differ = np.flatnonzero(local_descs[:, 1] != remote_descs[:, 1])
+        if differ.size:
+            i = int(differ[0])
+            raise ValueError(
+                f"{op} piece {i}: local length {local_descs[i, 1]} != remote length "
+                f"{remote_descs[i, 1]}"
+            )
         what = f"{op} of {len(local)} pieces {'to' if op == 'WRITE' else 'from'} {peer}"
         with self._lock:
             self._require_peer(peer)
-            if local:  # in flight from here: the peer stays loaded
+            if len(local):  # in flight from here: the peer stays loaded
                 self._in_flight[peer] = self._in_flight.get(peer, 0) + 1
-        if not local:
+        if not len(local):
             return self._notify_only(peer, notif, what)
         try:
             agent = self._live()
             handle = agent.initialize_xfer(
                 op,
-                agent.get_xfer_descs(self._descs(local), self._mem),
-                agent.get_xfer_descs(self._descs(remote), remote_mem or self._mem),
+                agent.get_xfer_descs(local_descs, self._mem),
+                agent.get_xfer_descs(remote_descs, remote_mem or self._mem),
                 peer,
                 notif,
             )

@@ -75,8 +75,8 @@ class Transport(Protocol):
     def write(
         self,
         peer: str,
-        src: list[tuple[int, int]],
-        dst: list[tuple[int, int]],
+        src: Pieces,
+        dst: Pieces,
         notif: bytes = b"",
         remote_mem: str | None = None,
     ) -> Transfer: ...
@@ -84,8 +84,8 @@ class Transport(Protocol):
     def read(
         self,
         peer: str,
-        src_remote: list[tuple[int, int]],
-        dst_local: list[tuple[int, int]],
+        src_remote: Pieces,
+        dst_local: Pieces,
         notif: bytes = b"",
         remote_mem: str | None = None,
     ) -> Transfer: ...

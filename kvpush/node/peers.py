@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
+import numpy as np
+
 from kvpush.core import planning
 from kvpush.core.planning import KVLayout
 from kvpush.core.protocol import Hello, Message, check_compatible
@@ -343,9 +345,8 @@ def post_kv(
         dst_rank=dst_rank,
         dst_tp=dst_tp,
     )
-    pieces = plan.descriptors()
-    src_pieces = [(s, n) for s, _, n in pieces]
-    dst_pieces = [(d, n) for _, d, n in pieces]
+    pieces = plan.descriptors().astype(np.uint64)
+    src_pieces, dst_pieces = pieces[:, [0, 2]], pieces[:, [1, 2]]
     if op == "WRITE":
         transfer = transport.write(peer.agent, src_pieces, dst_pieces)
     else:

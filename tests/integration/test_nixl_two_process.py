@@ -241,7 +241,9 @@ def test_write_pieces(pair: Pair) -> None:
     # one piece of four consecutive blocks: 40..43 -> 30..33
     local += [pair.source_piece(r, 40, 4) for r in range(REGIONS)]
     remote += [pair.remote_piece(r, 30, 4) for r in range(REGIONS)]
-    with pair.transport.write(CHILD, local, remote, notif=b"pieces") as transfer:
+    # as the planned path posts them: [N, 2] uint64 (address, length) rows
+    as_rows = np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+    with pair.transport.write(CHILD, *as_rows, notif=b"pieces") as transfer:
         pair.transport.wait(transfer, timeout=5.0)
     mapping = singles + [(40 + i, 30 + i) for i in range(4)]
     assert pair.call("check", mapping, b"pieces") == ""
@@ -297,6 +299,12 @@ def test_bad_arguments_are_value_errors(pair: Pair) -> None:
         pair.transport.write_blocks(CHILD, [0], [REGIONS * BLOCKS])
     with pytest.raises(ValueError, match="length"):
         pair.transport.write(CHILD, [(pair.sources[0].ctypes.data, 8)], [(0, 16)])
+    base = pair.sources[0].ctypes.data
+    rows = np.array([[base, 8], [base + 8, 8]], dtype=np.uint64)
+    with pytest.raises(ValueError, match="piece 1: local length 8 != remote length 16"):
+        pair.transport.write(CHILD, rows, np.array([[0, 8], [8, 16]], dtype=np.uint64))
+    with pytest.raises(ValueError, match="pair up"):
+        pair.transport.read(CHILD, rows[:1], rows)
     with pytest.raises(TransferError, match="unknown peer") as info:
         pair.transport.write_blocks("nobody", [0], [0])
     assert info.value.kind == "not_found"

@@ -115,8 +115,8 @@ def test_scheduler_blocks_split_into_kernel_blocks(layout: KVCacheLayout) -> Non
     assert len(piece_indices(cache.layout, [])) == 0
 
 
-def copy(descriptors: list[tuple[int, int, int]]) -> None:
-    for s, d, n in descriptors:
+def copy(descriptors: np.ndarray) -> None:
+    for s, d, n in descriptors.tolist():
         ctypes.memmove(d, s, n)
 
 

@@ -117,22 +117,23 @@ class FakeTransport:
     def write(
         self,
         peer: str,
-        src: list[Piece],
-        dst: list[Piece],
+        src: Pieces,
+        dst: Pieces,
         notif: bytes = b"",
         remote_mem: str | None = None,
     ) -> FakeTransfer:
-        return self._post(f"WRITE to {peer}", list(zip(src, dst, strict=True)))
+        return self._post(f"WRITE to {peer}", list(zip(_listed(src), _listed(dst), strict=True)))
 
     def read(
         self,
         peer: str,
-        src_remote: list[Piece],
-        dst_local: list[Piece],
+        src_remote: Pieces,
+        dst_local: Pieces,
         notif: bytes = b"",
         remote_mem: str | None = None,
     ) -> FakeTransfer:
-        return self._post(f"READ from {peer}", list(zip(src_remote, dst_local, strict=True)))
+        pairs = list(zip(_listed(src_remote), _listed(dst_local), strict=True))
+        return self._post(f"READ from {peer}", pairs)
 
 
 LAYERS, HEADS, UNIT, BLOCKS = 2, 2, 64, 16

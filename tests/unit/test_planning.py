@@ -77,9 +77,15 @@ def test_merge_runs() -> None:
     assert merge_runs([4, 5, 6, 9, 3, 4]) == [(4, 3), (9, 1), (3, 2)]
 
 
+def listed(rows: np.ndarray) -> list[tuple[int, ...]]:
+    return [tuple(row) for row in rows.tolist()]
+
+
 def test_coalesce_joins_runs_adjacent_on_both_sides_only() -> None:
-    assert coalesce([(20, 120, 4), (0, 100, 10), (10, 110, 10)]) == [(0, 100, 24)]
-    assert coalesce([(0, 100, 10), (10, 200, 10)]) == [(0, 100, 10), (10, 200, 10)]
+    assert listed(coalesce([(20, 120, 4), (0, 100, 10), (10, 110, 10)])) == [(0, 100, 24)]
+    assert listed(coalesce([(0, 100, 10), (10, 200, 10)])) == [(0, 100, 10), (10, 200, 10)]
+    assert listed(coalesce([(5, 9, 1)])) == [(5, 9, 1)]
+    assert coalesce([]).shape == (0, 3)
 
 
 @pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
@@ -97,7 +103,7 @@ def test_consecutive_blocks_become_one_descriptor_per_region(order: str) -> None
         )
     else:  # layers inside blocks: one run per block per layer, joined across layers
         assert per_region(plan) == [10, 10]
-        assert plan.descriptors() == [
+        assert listed(plan.descriptors()) == [
             (
                 src.region_bases[0] + 10 * src.block_stride,
                 dst.region_bases[0] + 30 * dst.block_stride,
@@ -367,6 +373,18 @@ def kernel_cell(lay: KVLayout, blocks: list[int], first_token: int, token: int) 
     return blocks[index] * lay.sub_blocks + sub, offset
 
 
+def fewest_runs(cells: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Cells in source order, each joined to the run before it where both sides continue
+    it: the fewest descriptors that copy them (a plain loop, the planner's reference)."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d, n in sorted(cells):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((s, d, n))
+    return runs
+
+
 @settings(max_examples=200, deadline=None)
 @given(transfer_cases())
 def test_simulated_copy_places_every_byte_and_nothing_else(case: Case) -> None:
@@ -400,6 +418,7 @@ def test_simulated_copy_places_every_byte_and_nothing_else(case: Case) -> None:
             assert s >= 0 and s + n <= len(src_mem)
             assert d >= 0 and d + n <= len(dst_mem)
             dst_mem[d : d + n] = src_mem[s : s + n]
+        cells = []
         for region in range(src.num_regions):
             for token in range(first_token, num_tokens):
                 s_block, s_off = kernel_cell(src, src_blocks, first_token, token)
@@ -408,6 +427,8 @@ def test_simulated_copy_places_every_byte_and_nothing_else(case: Case) -> None:
                     s = address(src, region, s_block, s_off, head - src_first)
                     d = address(dst, region, d_block, d_off, head - dst_first)
                     expected[d : d + unit] = src_mem[s : s + unit]
+                    cells.append((s, d, unit))
+        assert listed(plan.descriptors()) == fewest_runs(cells), "every adjacent pair joined"
 
     assert sorted(moved) == list(range(dst_first, dst_end)), "every head from one producer"
     assert np.array_equal(dst_mem, expected)
