@@ -828,6 +828,42 @@ class ControlClient:
                             f"cannot send {type(msg).__name__} to {self.address}: {exc}"
                         ) from exc
 
+    def send_now(self, msg: Message, connection: int | None = None) -> bool:
+        """Send `msg` only where that cannot wait: on the open connection (with
+        `connection`, only if it is that one, as for `send`), with room for the whole frame
+        in its socket buffer, no other thread sending, plain TCP. True once it went out;
+        False where nothing did (`send` then does what this would not: connect, wait for
+        room, say why). For a thread that must never wait on a peer."""
+        if self.tls is not None or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            sock = self._sock
+            if (
+                sock is None
+                or (connection is not None and connection != self.connection)
+                or self._closed_by_peer(sock)
+                or (self.idle_s is not None and time.monotonic() - self._used > self.idle_s)
+            ):
+                return False
+            sent, used = self._sent, self._used
+            data = self._frame(msg)
+            try:
+                count = sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                count = 0
+            except OSError:  # the connection is gone: `send` makes a new one
+                self._drop()
+                return False
+            if count == len(data):
+                return True
+            if count:  # part of a frame: the peer drops it with the connection
+                self._drop()
+            else:  # nothing went out: the next frame takes this one's place
+                self._sent, self._used = sent, used
+            return False
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
         with self._lock:
             self._drop()

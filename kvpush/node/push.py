@@ -359,9 +359,14 @@ class PushWriter(PeerLoop[StartWrite]):
         done = WriteDone(
             transfer_id, reg.generation, ident.tp_rank, ident.tp_size, True, "", start.local.sampled
         )
-        # Telling decode may mean reconnecting: on the message pool, never on this thread,
-        # so one slow decode does not hold up every other transfer.
-        self.peers.submit(self._announce, start, peer.client, done)
+        # Said at once where the connection is open and has room (a wake of the message
+        # pool and one of this thread fewer, on prefill's cores while its first token
+        # leaves). Where telling decode may mean reconnecting or waiting: on the message
+        # pool, never here, so one slow decode does not hold up every other transfer.
+        if peer.client.send_now(done):
+            self.act(self.rendezvous.write_finished(reg.transfer_id, reg.generation, True, "", now))
+        else:
+            self.peers.submit(self._announce, start, peer.client, done)
 
     def _announce(self, start: StartWrite, client: ControlClient, done: WriteDone) -> None:
         """Message pool: send `done`; the writer thread settles the transfer either way."""

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import statistics
 import struct
 import threading
@@ -28,6 +29,7 @@ from kvpush.dataplane.control import (
     ControlClient,
     ControlServer,
     Limits,
+    Peer,
     Unreachable,
     frame,
     proof,
@@ -358,3 +360,100 @@ def test_many_requests_on_one_connection_each_get_their_own_answer(
         f"\ncontrol round trip over loopback: median {median * 1e6:.0f} us, "
         f"p90 {statistics.quantiles(times, n=10)[-1] * 1e6:.0f} us (200 requests)"
     )
+
+
+def test_send_now_goes_out_only_on_an_open_connection_with_room(recorder: Recorder) -> None:
+    """`send_now` never connects, waits or blocks: with the peer not reading, it stops
+    once the socket buffers are full, and what it sent arrives, sealed in sequence."""
+    gate = threading.Event()
+
+    def handler(msg: Message, peer: Peer) -> Message | None:
+        if isinstance(msg, Cancel) and msg.reason == "hold":
+            gate.wait(10.0)  # the server reads nothing more meanwhile
+        return recorder(msg, peer)
+
+    with ControlServer("127.0.0.1", 0, handler, secret=SECRET) as server:
+        client = client_for(server)
+        assert not client.send_now(Cancel("t-0", 0, "")), "no connection yet: not made here"
+        client.send(Cancel("t-1", 0, "hold"))
+        assert client.send_now(Cancel("t-2", 0, ""))
+        big = Cancel("t-3", 0, "x" * 4000)
+        went = 0
+        while client.send_now(big):
+            went += 1
+            assert went < 10_000, "the socket buffers never filled"
+        gate.set()
+        client.send(Cancel("t-4", 0, "after"))
+        wait_for(lambda: len(recorder.received) == 3 + went)
+        client.close()
+        assert server.rejected == {}, "every frame sealed in sequence"
+    ids = sorted(m.transfer_id for m in recorder.messages)  # handlers may run out of order
+    assert ids == ["t-1", "t-2"] + ["t-3"] * went + ["t-4"]
+
+
+class _Stuck:
+    """A connected socket whose next send puts out `count` bytes (0: none, would block)."""
+
+    def __init__(self, sock: socket.socket, count: int) -> None:
+        self._sock, self._count = sock, count
+
+    def send(self, data: bytes, flags: int = 0) -> int:
+        if self._count:
+            return self._sock.send(data[: self._count], flags)
+        raise BlockingIOError
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+@pytest.mark.parametrize("count", [0, 7])
+def test_send_now_that_could_not_finish_leaves_the_sequence_whole(
+    server: ControlServer, recorder: Recorder, count: int
+) -> None:
+    """Nothing out: the connection stays and the next frame takes the unsent one's place.
+    Part of a frame out: the connection is dropped (the peer discards the part with it)."""
+    client = client_for(server)
+    client.send(Cancel("t-1", 0, ""))
+    first = client.connection
+    real = client._sock
+    assert real is not None
+    client._sock = _Stuck(real, count)  # type: ignore[assignment]
+    assert not client.send_now(Cancel("t-2", 0, ""))
+    if count:
+        assert client._sock is None, "a partly sent frame ends its connection"
+    else:
+        client._sock = real
+    client.send(Cancel("t-3", 0, ""))
+    wait_for(lambda: len(recorder.received) == 2)
+    assert [m.transfer_id for m in recorder.messages] == ["t-1", "t-3"]
+    assert client.connection == first + (1 if count else 0)
+    assert server.rejected == {}, "no frame out of sequence"
+    client.close()
+
+
+def test_send_now_leaves_tls_and_a_busy_client_to_send(server: ControlServer) -> None:
+    client = client_for(server)
+    client.send(Cancel("t-1", 0, ""))
+    with client._lock:  # another thread is sending
+        assert not client.send_now(Cancel("t-2", 0, ""))
+    assert client.send_now(Cancel("t-3", 0, ""))
+    # bound to a connection (a handshake's): only on that one
+    assert not client.send_now(Cancel("t-4", 0, ""), connection=client.connection - 1)
+    assert client.send_now(Cancel("t-5", 0, ""), connection=client.connection)
+    client.tls = ssl.create_default_context()  # TLS records: always through `send`
+    assert not client.send_now(Cancel("t-6", 0, ""))
+    client.close()
+
+
+def test_send_now_after_the_peer_closed_sends_nothing(recorder: Recorder) -> None:
+    server = ControlServer("127.0.0.1", 0, recorder)
+    server.start()
+    client = ControlClient("127.0.0.1", server.port, timeout=2.0)
+    client.send(Cancel("t-1", 0, ""))
+    server.stop()
+    deadline = time.monotonic() + 2.0
+    while client.alive(client.connection):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not client.send_now(Cancel("t-2", 0, ""))
+    client.close()
