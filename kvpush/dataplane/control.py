@@ -841,8 +841,7 @@ class ControlClient:
             if (
                 sock is None
                 or (connection is not None and connection != self.connection)
-                or self._closed_by_peer(sock)
-                or (self.idle_s is not None and time.monotonic() - self._used > self.idle_s)
+                or self._stale(sock)
             ):
                 return False
             sent, used = self._sent, self._used
@@ -886,6 +885,13 @@ class ControlClient:
     ) -> None:
         self.close()
 
+    def _stale(self, sock: socket.socket) -> bool:
+        """The open connection must be replaced before the next frame: the peer closed it,
+        or it sat unused for `idle_s`."""
+        return self._closed_by_peer(sock) or (
+            self.idle_s is not None and time.monotonic() - self._used > self.idle_s
+        )
+
     def _frame(self, msg: Message) -> bytes:
         data = frame(msg, self.secret, Seal(self._peer_nonce, self._sent))
         self._sent += 1
@@ -895,10 +901,7 @@ class ControlClient:
     def _connected(self) -> socket.socket:
         """The open connection, replaced first if the peer has closed it or it sat unused
         for `idle_s`."""
-        if self._sock is not None and (
-            self._closed_by_peer(self._sock)
-            or (self.idle_s is not None and time.monotonic() - self._used > self.idle_s)
-        ):
+        if self._sock is not None and self._stale(self._sock):
             self._drop()
         if self._sock is None:
             hint = "check that the peer is running and listens on that address"
