@@ -313,16 +313,40 @@ def render_table(reports: Sequence[SetupReport], load: LoadSpec) -> str:
 
 
 _ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+_FATAL = re.compile(r"Fatal Python error: (.+)$")
+_FRAME = re.compile(r'File "(?:.*/site-packages/)?([^"]+)", line (\d+) in (\S+)')
+_WORKER_DIED = re.compile(r"Worker proc \S+ died unexpectedly.*$")
+# what in a log says a server's engine is gone (`trouble`)
+_FATAL_SIGNS = ("Fatal Python error", "died unexpectedly", "EngineCore encountered a fatal")
 
 
 def root_cause(log: str) -> str:
     """The line of a server log that most likely says why it died.
 
-    The first exception message outside warnings (vLLM logs the root cause before the
-    errors it causes); else the last line mentioning an error (argparse's "error: ...");
-    else the last line.
+    A process killed by a signal first: the testbed runs servers with Python's fault
+    handler, which names the signal and the crashing thread's stack (quoted: its innermost
+    frame outside torch), else vLLM's line saying its worker died. Then the first
+    exception message outside warnings (vLLM logs the root cause before the errors it
+    causes); else the last line mentioning an error (argparse's "error: ..."); else the
+    last line.
     """
     lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        fatal = _FATAL.search(line)
+        if fatal is None:
+            continue
+        after = lines[i + 1 :]
+        start = next((j for j, x in enumerate(after) if x.startswith("Current thread")), 0)
+        frames = [m for x in after[start:] if (m := _FRAME.search(x))]
+        # the innermost frame outside torch's dispatch: the op that was called
+        frame = next((m for m in frames if not m.group(1).startswith("torch/")), None)
+        frame = frame or (frames[0] if frames else None)
+        where = f" in {frame.group(1)} line {frame.group(2)}, {frame.group(3)}" if frame else ""
+        return f"Fatal Python error: {fatal.group(1)}{where}"[:300]
+    for line in lines:
+        died = _WORKER_DIED.search(line)
+        if died:
+            return died.group(0)[:300]
     for line in lines:
         match = _ERROR_LINE.search(line)
         if match and " WARNING " not in line:
@@ -530,6 +554,19 @@ def isolate(topology: Topology, setup: str, when: str) -> None:
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
     print(f"  [{setup}] {moved} threads moved off the lone worker's core {when}", flush=True)
+
+
+def trouble(topology: Topology) -> str | None:
+    """The first server whose log says its engine is gone, with the root cause and the
+    log's path; None if no log says so."""
+    for spec in topology.specs:
+        try:
+            log = spec.log_path.read_text(errors="replace")
+        except OSError:
+            continue
+        if any(sign in log for sign in _FATAL_SIGNS):
+            return f"{spec.name}: {root_cause(log)} (log {spec.log_path})"
+    return None
 
 
 def _startup_failure(topology: Topology, exc: StartupError) -> str:

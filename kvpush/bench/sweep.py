@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench import compare, trace
 from kvpush.bench import results as res
-from kvpush.bench import trace
 from kvpush.bench.results import Point, delta_total, engine_step_ms
 from kvpush.testbed import scrape, source
 from kvpush.testbed.pinning import OWN_GROUP, confined, pin_preexec
@@ -703,6 +703,8 @@ def run_group(
             with front(topology, pair.port, spec.request_timeout, spec.first_token) as proxy:
                 error = asyncio.run(warm_up(proxy.url, str(pair.model)))
                 reason = f"warm-up through the proxy failed: {error}" if error else None
+                if reason is not None and (why := compare.trouble(topology)) is not None:
+                    reason += f"; {why}"
                 if reason is None and topology.config.worker_alone:
                     # the first contact may have started threads on the lone worker's core
                     reason = _isolate(topology, setup, say)

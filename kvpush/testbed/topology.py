@@ -531,6 +531,9 @@ def build_specs(
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
             "KVPUSH_SECRET": config.secret,
             "PYTHONUNBUFFERED": "1",
+            # a process killed by a signal (SIGILL, SIGSEGV) writes its Python stack to the
+            # log, which the benchmarks' failure reasons quote (bench.compare.root_cause)
+            "PYTHONFAULTHANDLER": "1",
             **(UCX_ENV if host else {}),
             **source.server_env(),  # the kvpush this process runs, wherever it starts
             **hook_env(config, name),

@@ -23,6 +23,7 @@ MODULE = "kvpush.vllm"
 
 
 def register() -> None:
+    allow_amx()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError as exc:
@@ -34,3 +35,34 @@ def register() -> None:
         # vLLM refuses a name registered before; vLLM loads plugins once per process, so
         # this is a second call (a test, or a host registering kvpush itself): keep the first.
         log.debug("kvpush: %s was already registered with vLLM", CONNECTOR)
+
+
+def allow_amx() -> bool:
+    """Ask Linux for the AMX tile state in this process where the CPU has AMX; True if the
+    process may use it afterwards.
+
+    vLLM's CPU attention picks its AMX kernel whenever the CPU reports AMX tiles
+    (Sapphire Rapids and later), but Linux grants a process the tile state only when it
+    asks (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and the first tile instruction before that
+    kills it with SIGILL. Something else usually asks first: oneDNN on its first AMX
+    matmul, torch.compile's warm-up. With `--enforce-eager` (every kvpush benchmark and
+    test) the attention kernel comes first and the model worker dies on its first request
+    ("Worker proc VllmWorker-0 died unexpectedly"), with vLLM's connectors and without a
+    connector alike. Asking here, in each of vLLM's processes, changes nothing where AMX
+    is absent or already granted.
+    """
+    try:
+        import torch
+
+        if not torch.cpu._is_amx_tile_supported():
+            return False
+        granted = bool(torch.cpu._init_amx())
+    except Exception as exc:  # never stop a vLLM over it: log, and let vLLM go on
+        log.warning("kvpush: could not ask Linux for the AMX tile state: %s", exc)
+        return False
+    if not granted:
+        log.warning(
+            "kvpush: this CPU reports AMX but Linux refused this process the tile state; "
+            "vLLM's CPU attention may die of an illegal instruction (SIGILL)"
+        )
+    return granted

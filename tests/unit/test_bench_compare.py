@@ -197,6 +197,34 @@ def test_root_cause_finds_the_first_exception_outside_warnings() -> None:
     assert root_cause("") == "(empty log)"
 
 
+def test_root_cause_names_the_signal_and_frame_that_killed_a_worker() -> None:
+    # Python's fault handler (the testbed sets PYTHONFAULTHANDLER) names the signal, then
+    # each thread's stack; the crashing one is "Current thread", most recent call first.
+    site = "/v/lib/python3.11/site-packages"
+    log = "\n".join(
+        [
+            "(Worker pid=2) INFO [worker.py:195] kvpush prefill worker 0/1: ...",
+            "Fatal Python error: Illegal instruction",
+            "Thread 0x00007f7f83ffe6c0 (most recent call first):",
+            '  File "/work/kvpush/node/direct.py", line 254 in run',
+            "Current thread 0x00007f80538b67c0 (most recent call first):",
+            f'  File "{site}/torch/_ops.py", line 1279 in __call__',
+            f'  File "{site}/vllm/_custom_ops.py", line 3927 in cpu_attention',
+            "(EngineCore pid=1) ERROR [multiproc_executor.py:315] Worker proc VllmWorker-0 "
+            "died unexpectedly (exit code: -4), shutting down executor.",
+            "(EngineCore pid=1) ERROR [core.py:1512] RuntimeError: cancelled",
+        ]
+    )
+    assert root_cause(log) == (
+        "Fatal Python error: Illegal instruction in vllm/_custom_ops.py line 3927, cpu_attention"
+    )
+    # without the fault handler: vLLM's line about its worker, not the error it causes
+    rest = log.split("\n")[-2:]
+    assert root_cause("\n".join(rest)).startswith(
+        "Worker proc VllmWorker-0 died unexpectedly (exit code: -4)"
+    )
+
+
 def test_failure_reason_tells_a_stall_from_failed_requests() -> None:
     stalled = [
         ok(0),

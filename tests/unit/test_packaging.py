@@ -10,8 +10,11 @@ import ast
 import functools
 import importlib
 import importlib.util
+import json
 import logging
+import platform
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -278,3 +281,44 @@ def test_plugin_registers_the_connector_with_vllms_factory(
         kv_role="kv_producer",
     )
     assert KVConnectorFactory.get_connector_class(by_path) is KvpushConnector
+
+
+# A fresh interpreter reports whether it may use the AMX tile state (Linux's
+# ARCH_GET_XCOMP_PERM, bit 18: XTILEDATA), before and after the plugin's register().
+_TILE_STATE = """
+import ctypes, json, platform, sys
+libc = ctypes.CDLL(None, use_errno=True)
+
+def tiles():
+    mask = ctypes.c_ulong(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0  # arch_prctl, GET_XCOMP_PERM
+    return bool(mask.value >> 18 & 1)
+
+before = tiles()
+from kvpush.vllm import plugin
+plugin.register()
+print(json.dumps([before, tiles()]))
+"""
+
+
+def _amx_cpu() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_tile" in flags
+
+
+@pytest.mark.skipif(
+    not (sys.platform == "linux" and platform.machine() == "x86_64" and _amx_cpu()),
+    reason="needs Linux on a CPU with AMX tiles",
+)
+def test_plugin_gives_each_vllm_process_the_amx_tile_state_its_attention_needs() -> None:
+    # vLLM's CPU attention runs AMX tile instructions and never asks for the state: a
+    # process that has not asked dies of SIGILL on its first eager forward.
+    out = subprocess.run(
+        [sys.executable, "-c", _TILE_STATE], capture_output=True, text=True, timeout=120,
+        cwd=REPO, check=True,
+    ).stdout  # fmt: skip
+    before, after = json.loads(out.strip().splitlines()[-1])
+    assert (before, after) == (False, True)
