@@ -535,7 +535,7 @@ def record_head(spec: SweepSpec, point: Point, topology: Topology) -> dict[str, 
         "prefix_caching": spec.pair.prefix_caching,
         "model": str(spec.pair.model),
         "seed": point.seed(spec.seed),
-        "host": res.host_cpu(),  # CPU model, cores, AVX-512 or not: numbers differ by host
+        "host": res.host_cpu(),  # CPU model, cores, AVX-512 or AMX or not: numbers differ by host
         # the kvpush code the servers ran (its source hash tells edits apart, committed or not)
         "code": topology.code or source.code_version(),
         # which cores each server ran on, and whether its whole process tree was held there

@@ -377,6 +377,7 @@ def test_each_run_records_where_its_first_tokens_came_from() -> None:
 
 CPUINFO_AMD = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n\n"
 CPUINFO_INTEL = "model name\t: Intel Xeon\nflags\t: avx2 avx512f avx512bw\n"
+CPUINFO_AMX = "model name\t: Intel Xeon\nflags\t: avx2 avx512f amx_bf16 amx_tile amx_int8\n"
 
 
 def test_each_run_names_its_host_and_plot_warns_when_hosts_differ(
@@ -386,6 +387,9 @@ def test_each_run_names_its_host_and_plot_warns_when_hosts_differ(
     assert (amd["cpu"], amd["isa"], intel["isa"]) == ("AMD EPYC", "avx2", "avx512")
     assert amd["cores"] >= 1
     assert results.host_cpu("")["isa"] == "other"
+    amx = results.host_cpu(CPUINFO_AMX)
+    assert amx["isa"] == "amx"  # vLLM's attention on AMX tiles: another host class
+    assert results.describe_host(amx).endswith("cores, AVX-512 and AMX")
     assert results.describe_host(amd) == f"AMD EPYC, {amd['cores']} cores, AVX2, no AVX-512"
     assert results.describe_host(None) == "-"  # recorded before hosts were kept
     write_recorded_sweep(tmp_path)
