@@ -361,8 +361,15 @@ def figure(rows: Sequence[Aggregate], title: str = "") -> Any:
                     drawn.add(setup)
             _finish_panel(ax, panel, metric, input_len, colours)
     handles, labels = _legend(rows, setups, drawn, colours)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(handles), 4), fontsize=8)
-    legend_rows = -(-len(handles) // 4)
+    # As many columns as fit the figure's width (one panel column is narrow).
+    ncol = min(len(handles), 4)
+    while True:
+        legend = fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
+        if ncol == 1 or legend.get_window_extent().width <= fig.bbox.width:
+            break
+        legend.remove()
+        ncol -= 1
+    legend_rows = -(-len(handles) // ncol)
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.025 * legend_rows + 0.01, 1, 1))

@@ -172,6 +172,21 @@ def test_status_labels_stay_inside_their_panel(rows: list[results.Aggregate]) ->
     assert labelled == 4 * 3  # vllm-pull was not ok in every run at each of 3 rates
 
 
+@pytest.mark.parametrize("lens", [(256,), (256, 1024)], ids=["one-length", "two-lengths"])
+def test_the_legend_fits_in_the_figure_below_the_panels(
+    rows: list[results.Aggregate], lens: tuple[int, ...]
+) -> None:
+    # `kvpush demo` sweeps one prompt length: one narrow column of panels, whose legend
+    # in four columns ran off both sides of the figure.
+    fig = plot.figure([r for r in rows if r.input_len in lens])
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width
+    assert box.y0 >= 0 and box.y1 <= min(ax.get_tightbbox(renderer).y0 for ax in fig.axes)
+    assert len(legend.get_texts()) == 7  # 4 setups, then hollow, cross and coalesced
+
+
 def test_the_table_as_csv_on_stdout_and_to_a_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
