@@ -48,7 +48,9 @@ for kvpush-push's iterations 2-4, whose servers imported a draft of the direct h
 sweep-amd-direct/: the same grid again at 1e62d05, 2026-12-05 00:21-01:06, 96 of 96 ok, each
 file naming the code its servers ran (`code`). No test reads the AMD sweeps (no profile there).
 On a fifth host (2-core Intel Xeon with AMX), sweep-intel-amx/: the sweep-amd grid with
-four iterations, 2026-12-05 15:38-16:47 at 97e1b64, 96 of 96 ok; no profile, no test reads it.
+four iterations, 2026-12-05 15:38-16:47 at 97e1b64, 96 of 96 ok; sweep-intel-amx-vllm-order/:
+the same setups with `--first-token decode` and three iterations, 19:01-19:37 at b97dbc7,
+72 of 72 ok. No profile there, so no test reads them.
 Within 25 % at 8 of 72 and 9 of 54 point-metrics, every prediction low; the sweep's TPOT
 (each token through the proxy and the client, floating over both cores) is what the probes
 miss most (docs/planning.md, "The reference sweeps, vLLM's prefill on its own core").
