@@ -1,7 +1,9 @@
 """Command-line conventions shared by every `kvpush` subcommand.
 
 - `Parser`: argparse whose errors are one line on stderr, exit code 2, pointing at the
-  `-h` of the command they concern (an unknown flag included); whose namespace carries
+  `-h` of the command they concern (an unknown flag included); which takes a long flag
+  only as written in full (argparse's default would read `kvpush bench hooks --out D`,
+  a flag of `bench sweep`, as `--output-len D`); whose namespace carries
   `prog`, the command that ran (`kvpush demo`), for messages; and which takes a value
   starting with '-' for the options that expect one (`kvpush up --vllm-args
   "--enable-prefix-caching"`), where plain argparse would read the value as an unknown
@@ -30,6 +32,7 @@ class Parser(argparse.ArgumentParser):
     """The parser of `kvpush` and, through `add_subparsers`, of every subcommand."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.dash_values: set[str] = set()
         self.set_defaults(prog=self.prog)  # the deepest subcommand's wins

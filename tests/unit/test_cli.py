@@ -63,6 +63,9 @@ def one_error_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["demo", "--rates", "0"], "--rates needs positive numbers"),
         (["demo", "--workdir", "/proc/kvpush", "--out", "/proc/kvpush/o"], "kvpush demo: cannot"),
         (["bench", "hooks", "--requests", "0"], "--requests: must be at least 1"),
+        # a flag of another command is not taken for the start of one of this command's
+        (["bench", "hooks", "--out", "d"], "unrecognized arguments: --out d (see kvpush bench"),
+        (["bench", "sweep", "--iter", "2"], "unrecognized arguments: --iter 2"),
         (["bench", "compare", "--setups", "nccl"], "kvpush bench compare: --setups: unknown"),
         (["bench", "sweep", "--kv-cache-gib", "-1"], "--kv-cache-gib: must be above 0"),
         (["bench", "plot", "/nonexistent"], "is not a directory of sweep results"),
