@@ -12,7 +12,9 @@ NIXL progress, the pools of handshakes and messages, the stall watchdog) calls
   one-core server: 20-35 us at the 90th percentile of the hand-off against 0.6-2 ms),
   but on servers whose processes share one or two cores decode stepped slower and TTFT
   and TPOT were higher with it: TPOT higher in 19 of 24 paired benchmark runs
-  (docs/benchmarks.md, "thread policy").
+  (docs/benchmarks.md, "Connector hooks on the engine loop"). On a push prefill alone it
+  halved the hooks' time and made push's first and second tokens later at 1,024 tokens
+  (docs/benchmarks.md, '"batch" on push's prefill only').
 
 Where a free core is at hand, as on a GPU host, a woken thread runs on it at once under
 either policy. Elsewhere than Linux both policies are the default.
