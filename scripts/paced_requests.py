@@ -17,51 +17,44 @@ clock (which perf's timestamps follow on Linux), so a trace can be cut per reque
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import random
+import sys
 import time
-import urllib.request
+from pathlib import Path
 
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-]
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvpush.bench.compare import stream_completion  # noqa: E402
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()  # noqa: SIM905
 
 
-def one(url: str, model: str, words: int, max_tokens: int, rng: random.Random) -> str:
-    prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    started = time.monotonic()
-    first = None
-    chunks = 0
-    with urllib.request.urlopen(request, timeout=60) as answer:
-        for line in answer:
-            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                chunks += 1
-                if first is None:
-                    first = time.monotonic() - started
-    total = time.monotonic() - started
-    ttft = "none" if first is None else f"{first * 1000:.1f}"
-    return f"ttft_ms {ttft} total_ms {total * 1000:.1f} chunks {chunks} at {started:.6f}"
+async def paced(args: argparse.Namespace) -> None:
+    import aiohttp
+
+    rng = random.Random(args.seed)
+    async with aiohttp.ClientSession() as session:
+        for i in range(args.requests):
+            body = {
+                "model": args.model,
+                "prompt": " ".join(rng.choice(WORDS) for _ in range(args.words)),
+                "max_tokens": args.max_tokens,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            started = time.monotonic()
+            result = await stream_completion(session, args.url, body, i, timeout=60)
+            total = time.monotonic() - started
+            if result.ttft_s is None:
+                print(f"request {i} failed: {result.error} at {started:.6f}")
+            else:
+                print(
+                    f"request {i} ttft_ms {result.ttft_s * 1000:.1f} total_ms {total * 1000:.1f}"
+                    f" tokens {result.tokens} at {started:.6f}"
+                )
+            await asyncio.sleep(max(0.0, 1 / args.rate - (time.monotonic() - started)))
 
 
 def main() -> None:
@@ -73,12 +66,7 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=1000, help="prompt words")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
-    rng = random.Random(args.seed)
-    for i in range(args.requests):
-        started = time.monotonic()
-        print(f"request {i} " + one(args.url, args.model, args.words, args.max_tokens, rng))
-        time.sleep(max(0.0, 1 / args.rate - (time.monotonic() - started)))
+    asyncio.run(paced(parser.parse_args()))
 
 
 if __name__ == "__main__":
