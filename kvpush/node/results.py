@@ -27,9 +27,13 @@ SERIES = (
 )
 
 
+# Counters by kind, summed across workers and steps (`Results.count`).
+TABLES = ("failures", "rejected", "handoffs", "write_waits", "hook_s", "hook_calls")
+
+
 def empty_data() -> dict[str, Any]:
     data: dict[str, Any] = {name: [] for name in SERIES}
-    data.update(failures={}, rejected={}, handoffs={}, hook_s={}, hook_calls={}, gauges={})
+    data.update({table: {} for table in TABLES}, gauges={})
     return data
 
 
