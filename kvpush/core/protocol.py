@@ -73,11 +73,6 @@ FIRST_TOKEN_ARG = "kvpush_first_token"
 FIRST_TOKEN_OF_ARG = "kvpush_first_token_of"
 FIRST_TOKEN_PARAM = "first_token_id"
 NO_TOKEN = -1
-# Push: set (true) in the prefill leg's kv_transfer_params where prefill's answer carries
-# the client's first token; prefill's writer may then wait a moment before its WRITE, so
-# that the WRITE's work does not hold up that answer (kv_connector_extra_config
-# `write_wait_ms`, `kvpush.node.push`).
-FIRST_TOKEN_TO_CLIENT_PARAM = "kvpush_first_token_to_client"
 
 
 def is_token_id(value: object) -> TypeGuard[int]:

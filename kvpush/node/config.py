@@ -42,10 +42,6 @@ CONTROL_LIMITS: dict[str, tuple[str, type]] = {
     "control_unauthenticated_frame_bytes": ("unauthenticated_frame", int),
 }
 TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
-# `write_wait_ms`: "auto"'s wait where the engine computes on the writer's cores, and the
-# most a setting may ask (decode's first step waits for the WRITE, so a wait delays it)
-AUTO_WRITE_WAIT_MS = 1.5
-MAX_WRITE_WAIT_MS = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +85,6 @@ class KvpushConfig:
     # In tokens, not blocks: a full hit leaves up to a block (128 tokens on vLLM's CPU
     # backend, 16-64 on GPUs), too long to compute inside decode's batch.
     local_tail_tokens: int = 16
-    # Push prefill, where its answer carries the client's first token (the proxy's
-    # `--first-token prefill`): the WRITE waits until this long after vLLM finished the
-    # prefill, so that posting it does not take the cores the first token leaves on.
-    # None ("auto"): AUTO_WRITE_WAIT_MS where the KV cache lies in host memory (the
-    # engine computes on the CPU cores the writer runs on), 0 where it lies on a GPU.
-    write_wait_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -112,8 +102,6 @@ class KvpushConfig:
             )
         if self.local_tail_tokens < 0:
             raise _tail_error(self.local_tail_tokens)
-        if self.write_wait_ms is not None and not 0 <= self.write_wait_ms <= MAX_WRITE_WAIT_MS:
-            raise _wait_error(self.write_wait_ms)
         if not 0 < self.port < 65536:
             raise ValueError(f"side-channel port {self.port} is out of range")
         check_advertised(self.host)
@@ -137,13 +125,6 @@ class KvpushConfig:
     @property
     def listen_host(self) -> str:
         return self.bind_host or self.host
-
-    def write_wait_s(self, kv_in_host_memory: bool) -> float:
-        """Push prefill: the WRITE's wait after a prefill whose answer is the client's first
-        token, in seconds (`write_wait_ms`, "auto" resolved for where the KV lies)."""
-        if self.write_wait_ms is not None:
-            return self.write_wait_ms / 1000
-        return AUTO_WRITE_WAIT_MS / 1000 if kv_in_host_memory else 0.0
 
     @classmethod
     def from_extra(
@@ -169,7 +150,6 @@ class KvpushConfig:
             "backend",
             "thread_policy",
             "local_tail_tokens",
-            "write_wait_ms",
             *CONTROL_LIMITS,
             *TLS_KEYS,
         }
@@ -203,9 +183,6 @@ class KvpushConfig:
         tail = extra.get("local_tail_tokens", 16)
         if isinstance(tail, bool) or not isinstance(tail, int):
             raise _tail_error(tail)
-        wait = extra.get("write_wait_ms", "auto")
-        if wait != "auto" and (isinstance(wait, bool) or not isinstance(wait, int | float)):
-            raise _wait_error(wait)
         config = cls(
             mode=str(extra.get("mode", "push")),
             host=str(extra.get("host", env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))),
@@ -219,7 +196,6 @@ class KvpushConfig:
             backend=str(extra.get("backend", "UCX")),
             thread_policy=str(extra.get("thread_policy", "normal")),
             local_tail_tokens=tail,
-            write_wait_ms=None if wait == "auto" else float(wait),
             faults=Faults.parse(env.get(FAULTS_ENV, "")),
             control=Limits(**limits),
             **{key: str(extra.get(key, "")) for key in TLS_KEYS},
@@ -238,12 +214,4 @@ def _tail_error(value: object) -> ValueError:
     return ValueError(
         "kv_connector_extra_config.local_tail_tokens must be a whole number of tokens, 0 or "
         f"more (how long an uncached prompt tail decode computes itself), got {value!r}"
-    )
-
-
-def _wait_error(value: object) -> ValueError:
-    return ValueError(
-        'kv_connector_extra_config.write_wait_ms must be "auto" or milliseconds from 0 to '
-        f"{MAX_WRITE_WAIT_MS:g} (how long push's WRITE waits for prefill's answer to leave "
-        f"when it carries the client's first token; 0: no wait), got {value!r}"
     )

@@ -101,9 +101,6 @@ class Context:
     hello: Hello
     results: Results
     tls: ssl.SSLContext | None = None  # the control channel's client side, if TLS is on
-    # push prefill: the WRITE's wait after a prefill that answers the client's first token
-    # (`KvpushConfig.write_wait_s`, resolved for where this node's KV lies)
-    write_wait_s: float = 0.0
 
     def control_client(self, host: str, port: int, timeout: float = 5.0) -> ControlClient:
         """A client for a peer's control port, with this node's secret and TLS settings."""

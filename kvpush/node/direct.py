@@ -40,11 +40,10 @@ from kvpush.node.specs import SendSpec
 
 log = logging.getLogger("kvpush.worker")
 
-VERSION = 2  # 2: a flags byte
-# version, flags, finished_at, num_tokens, sampled, then the byte lengths of the engine id,
+VERSION = 1
+# version, finished_at, num_tokens, sampled, then the byte lengths of the engine id,
 # transfer id and request id; after them those three strings and the block ids (int64)
-_HEAD = struct.Struct("<BBdQqHHH")
-_FIRST_TOKEN_TO_CLIENT = 0x01  # flag: `SendSpec.first_token_to_client`
+_HEAD = struct.Struct("<BdQqHHH")
 _BLOCK = "q"
 # A datagram larger than this is not sent (the metadata carries it): 256k blocks of int64.
 MAX_DATAGRAM = 2 * 1024 * 1024
@@ -54,9 +53,8 @@ _SUN_PATH_MAX = 107  # Linux: sockaddr_un's 108 bytes, less the terminating NUL
 def pack(engine_id: str, spec: SendSpec) -> bytes:
     """`spec` as one datagram from `engine_id`'s scheduler."""
     names = [s.encode() for s in (engine_id, spec.transfer_id, spec.request_id)]
-    flags = _FIRST_TOKEN_TO_CLIENT if spec.first_token_to_client else 0
     head = _HEAD.pack(
-        VERSION, flags, spec.finished_at, spec.num_tokens, spec.sampled, *(len(n) for n in names)
+        VERSION, spec.finished_at, spec.num_tokens, spec.sampled, *(len(n) for n in names)
     )
     return b"".join((head, *names, array.array(_BLOCK, spec.block_ids).tobytes()))
 
@@ -66,11 +64,9 @@ def unpack(data: bytes, engine_id: str) -> SendSpec:
     datagram of this version from `engine_id`'s scheduler."""
     if len(data) < _HEAD.size:
         raise ValueError(f"{len(data)} bytes, shorter than a header")
-    version, flags, finished_at, num_tokens, sampled, *lengths = _HEAD.unpack_from(data)
+    version, finished_at, num_tokens, sampled, *lengths = _HEAD.unpack_from(data)
     if version != VERSION:
         raise ValueError(f"version {version}, this worker speaks {VERSION}")
-    if flags & ~_FIRST_TOKEN_TO_CLIENT:
-        raise ValueError(f"unknown flags {flags:#x}")
     start = _HEAD.size
     names = []
     for length in lengths:
@@ -93,7 +89,6 @@ def unpack(data: bytes, engine_id: str) -> SendSpec:
         sampled=sampled,
         finished_at=finished_at,
         direct=True,
-        first_token_to_client=bool(flags & _FIRST_TOKEN_TO_CLIENT),
     )
 
 

@@ -61,9 +61,6 @@ class PushWriter(PeerLoop[StartWrite]):
         self.registered_at: dict[tuple[str, int], float] = {}
         # request id -> when vLLM finished its prefill, until its blocks are released
         self.finished_at: dict[str, float] = {}
-        # request id -> the earliest its WRITE is posted, for a prefill whose answer is the
-        # client's first token (`Context.write_wait_s`), until its blocks are released
-        self.not_before: dict[str, float] = {}
         # transfer id -> (connection, generation) of its newest registration, to void what
         # a connection registered when it closes (its decode exited or restarted)
         self._sources: dict[str, tuple[int, int]] = {}
@@ -111,8 +108,6 @@ class PushWriter(PeerLoop[StartWrite]):
             if item.finished_at:  # vLLM's hop: its step that ended the prefill -> here
                 self.finished_at[item.request_id] = item.finished_at
                 self.results.observe(finish_to_handoff_s=max(0.0, at - item.finished_at))
-                if item.first_token_to_client and self.ctx.write_wait_s:
-                    self.not_before[item.request_id] = item.finished_at + self.ctx.write_wait_s
             local = LocalBlocks(
                 item.transfer_id, item.request_id, item.block_ids, item.num_tokens, item.sampled
             )
@@ -144,8 +139,6 @@ class PushWriter(PeerLoop[StartWrite]):
                 self.act(self.rendezvous.abort_local(item.transfer_id, item.request_id, why, now))
         elif isinstance(item, _Announced):
             self._announced(item, now)
-        elif isinstance(item, StartWrite):  # its wait (`_start`) is over
-            self._start(item)
         elif isinstance(item, PeerReady):
             peer = item.peer
             for start in self.peers.ready(peer):
@@ -282,7 +275,6 @@ class PushWriter(PeerLoop[StartWrite]):
                 return  # other legs still write from them
             local = shared
         self.finished_at.pop(local.request_id, None)
-        self.not_before.pop(local.request_id, None)
         self.results.sent(local.request_id)
         if release.reason != "written":
             reason = release.reason.replace(
@@ -300,8 +292,6 @@ class PushWriter(PeerLoop[StartWrite]):
                 self.results.count("failures", kind, new)
 
     def _start(self, start: StartWrite) -> None:
-        if self._wait(start):
-            return
         reg = start.registration
         peer = self.peers.peers.get((reg.host, reg.port))
         if peer is None or peer.offered is None or peer.offered.agent_name != reg.agent_name:
@@ -311,25 +301,6 @@ class PushWriter(PeerLoop[StartWrite]):
             self._fail_start(start, peer.error, peer.error_kind or "handshake_failed")
         elif self.peers.when_ready(peer, start):
             self._post(start, peer)
-
-    def _wait(self, start: StartWrite) -> bool:
-        """Whether `start` waits (on this thread's timer, asleep) before it goes on: until
-        its prefill's `not_before`, unless the registration's deadline comes first (then
-        it goes now). A WRITE that waits holds its transfer as one waiting for a handshake
-        does: a cancel or a newer registration is settled once it is done."""
-        due = self.not_before.get(start.local.request_id)
-        if due is None:
-            return False
-        now = time.monotonic()
-        if now >= due:
-            return False
-        if due >= start.deadline:
-            self.not_before.pop(start.local.request_id, None)
-            self.results.count("write_waits", "skipped_deadline")
-            return False
-        self.results.count("write_waits", "waited")
-        self.later(start, now, due - now)
-        return True
 
     def _post(self, start: StartWrite, peer: RemoteRank[StartWrite]) -> None:
         reg, local = start.registration, start.local

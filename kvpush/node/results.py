@@ -27,13 +27,9 @@ SERIES = (
 )
 
 
-# Counters by kind, summed across workers and steps (`Results.count`).
-TABLES = ("failures", "rejected", "handoffs", "write_waits", "hook_s", "hook_calls")
-
-
 def empty_data() -> dict[str, Any]:
     data: dict[str, Any] = {name: [] for name in SERIES}
-    data.update({table: {} for table in TABLES}, gauges={})
+    data.update(failures={}, rejected={}, handoffs={}, hook_s={}, hook_calls={}, gauges={})
     return data
 
 

@@ -51,9 +51,6 @@ class SendSpec:
     # push: this copy came straight from the scheduler (`kvpush.node.direct`), not with the
     # next step's metadata, which carries the other copy
     direct: bool = False
-    # push: prefill's answer carries the client's first token (the proxy said so), so the
-    # WRITE may wait until it has left (`write_wait_ms`)
-    first_token_to_client: bool = False
 
 
 @dataclass(frozen=True, slots=True)

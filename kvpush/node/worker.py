@@ -164,8 +164,7 @@ class WorkerSide:
             host=self.config.host,
             port=self.port,
         )
-        wait_s = config.write_wait_s(kv_in_host_memory=mem == "DRAM")
-        self.ctx = ctx = Context(config, ident, transport, hello, self.results, client_tls, wait_s)
+        self.ctx = ctx = Context(config, ident, transport, hello, self.results, client_tls)
         self.part = self._make_part(ctx)
         self.part.start()
         if self.transport is not None:
@@ -186,17 +185,6 @@ class WorkerSide:
         if ident.tp_size == 1:
             _IN_PROCESS[ident.engine_id] = self
         if isinstance(self.part, PushWriter):
-            if wait_s:
-                log.info(
-                    "kvpush: a WRITE waits until %.1f ms after its prefill finished where "
-                    "prefill's answer is the client's first token, so that it does not take "
-                    "this engine's cores as that token leaves (write_wait_ms: %s; 0 turns it "
-                    "off)",
-                    wait_s * 1000,
-                    "auto, the KV cache is in host memory"
-                    if config.write_wait_ms is None
-                    else f"{config.write_wait_ms:g}",
-                )
             self.direct = DirectReceiver.open(
                 ident.engine_id,
                 config.host,

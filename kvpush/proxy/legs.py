@@ -153,13 +153,12 @@ class Legs:
         )
         if relay.splice is not None:
             decode_body = first_token.pin_push(decode_body, rid)
-        prefill_params = rewrite.push_prefill_params(rid, relay.splice is not None)
         # Prefill's request goes out first: the client's first token is prefill's, and
         # its forward takes far longer than decode needs to register (decode's leg, sent
         # right after, still registers before prefill finishes). Sent the other way round,
         # prefill waited for the event loop to build and write decode's request.
         prefill_task = asyncio.ensure_future(
-            self._prefill(prefill, job, prefill_params, relay, rid)
+            self._prefill(prefill, job, rewrite.push_prefill_params(rid), relay, rid)
         )
         decode_task = asyncio.ensure_future(self._decode(decode, job, decode_body, rid, relay))
         try:

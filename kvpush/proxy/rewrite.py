@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvpush.core.protocol import FIRST_TOKEN_TO_CLIENT_PARAM, MODES
+from kvpush.core.protocol import MODES
 
 # Fields that only make sense for the client-facing leg and must not reach prefill.
 _PREFILL_DROPPED = ("stream_options", "logprobs", "top_logprobs", "n", "best_of", "min_tokens")
@@ -190,13 +190,9 @@ def pull_prefill_params() -> dict[str, Any]:
     }
 
 
-def push_prefill_params(transfer_id: str, first_token_to_client: bool = False) -> dict[str, Any]:
-    """Push's prefill leg; `first_token_to_client`: prefill's answer is streamed to the
-    client as its first token (prefill's WRITE may then wait until it has left)."""
+def push_prefill_params(transfer_id: str) -> dict[str, Any]:
     params = pull_prefill_params()
     params["transfer_id"] = transfer_id
-    if first_token_to_client:
-        params[FIRST_TOKEN_TO_CLIENT_PARAM] = True
     return params
 
 

@@ -18,13 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpush.core.protocol import (
-    FIRST_TOKEN_OF_ARG,
-    FIRST_TOKEN_PARAM,
-    FIRST_TOKEN_TO_CLIENT_PARAM,
-    NO_TOKEN,
-    grant,
-)
+from kvpush.core.protocol import FIRST_TOKEN_OF_ARG, FIRST_TOKEN_PARAM, NO_TOKEN, grant
 from kvpush.node.config import KvpushConfig
 from kvpush.node.direct import DirectSender
 from kvpush.node.results import HookTimer
@@ -226,7 +220,6 @@ class SchedulerSide:
             num_tokens=request.num_computed_tokens,
             sampled=sampled,
             finished_at=now,
-            first_token_to_client=params.get(FIRST_TOKEN_TO_CLIENT_PARAM) is True,
         )
         self._send.append(spec)
         self._sending[request.request_id] = now

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvpush.node.config import ROLES, KvpushConfig
-from kvpush.node.results import SERIES, TABLES, empty_data
+from kvpush.node.results import SERIES, empty_data
 
 
 @dataclass
@@ -35,7 +35,7 @@ class KvpushStats(KVConnectorStats):
         theirs = other.data
         for name in SERIES:
             self.data[name].extend(theirs.get(name, ()))
-        for table in TABLES:
+        for table in ("failures", "rejected", "handoffs", "hook_s", "hook_calls"):
             for key, value in theirs.get(table, {}).items():
                 self.data[table][key] = self.data[table].get(key, 0) + value
         self.data["gauges"].update(theirs.get("gauges", {}))
@@ -138,12 +138,6 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             "(direct: from the scheduler's process at once; next_step: in vLLM's metadata)",
             labelnames=[*labelnames, "path"],
         )
-        self.write_waits = counter(
-            name="kvpush:write_waits",
-            documentation="Push prefill: WRITEs that waited for prefill's answer to leave "
-            "(write_wait_ms), and waits skipped because the registration's deadline came first",
-            labelnames=[*labelnames, "outcome"],
-        )
         self.hook_s = counter(
             name="kvpush:main_thread_seconds",
             documentation="Time our hooks spent on vLLM's scheduler/worker main thread",
@@ -199,7 +193,6 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             ("failures", self.failures),
             ("rejected", self.rejected),
             ("handoffs", self.handoffs),
-            ("write_waits", self.write_waits),
             ("hook_s", self.hook_s),
             ("hook_calls", self.hook_calls),
         ):

@@ -28,17 +28,13 @@ def test_a_spec_crosses_as_one_datagram_and_comes_out_marked_direct() -> None:
     got = unpack(pack("prefill-0", SPEC), "prefill-0")
     assert got == SendSpec("t1", "req-1", (5, 6, 700_000), 300, 4242, 12.5, direct=True)
     assert unpack(pack("e", SendSpec("t", "r", (1,), 1)), "e").sampled == -1  # no token
-    flagged = SendSpec("t", "r", (1,), 1, first_token_to_client=True)
-    assert unpack(pack("e", flagged), "e").first_token_to_client
-    assert not unpack(pack("e", SPEC), "e").first_token_to_client
 
 
 @pytest.mark.parametrize(
     ("data", "why"),
     [
         (pack("prefill-1", SPEC), "from engine 'prefill-1'"),
-        (b"\x01" + pack("prefill-0", SPEC)[1:], "version 1"),
-        (b"\x02\x02" + pack("prefill-0", SPEC)[2:], "unknown flags 0x2"),
+        (b"\x02" + pack("prefill-0", SPEC)[1:], "version 2"),
         (pack("prefill-0", SPEC)[:-3], "truncated"),
         (pack("prefill-0", SPEC)[:10], "shorter than a header"),
         (pack("prefill-0", SendSpec("t1", "req-1", (), 0)), "no request or no blocks"),

@@ -268,64 +268,6 @@ def test_push_prefill_times_its_share_of_the_handoff(
     assert not prefill.worker.part.finished_at  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize(
-    ("wait_ms", "first_token_to_client", "waits"),
-    [(80, True, True), (80, False, False), (0, True, False)],
-)
-def test_push_waits_before_the_write_only_where_prefills_answer_is_the_first_token(
-    nodes: Callable[..., tuple[Node, Node]],
-    wait_ms: float,
-    first_token_to_client: bool,
-    waits: bool,
-) -> None:
-    """`write_wait_ms`: the WRITE of a prefill whose answer is the client's first token is
-    posted no earlier than that long after vLLM finished the prefill; others at once."""
-    prefill, decode = nodes("push", 4, prefill={"write_wait_ms": wait_ms})
-    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
-    run_until((prefill, decode), lambda: prefill_part(prefill).rendezvous.waiting_registrations)
-    finished = time.monotonic()
-    spec = SendSpec(
-        "t1", "p1", PREFILL_BLOCKS, NUM_TOKENS, finished_at=finished,
-        first_token_to_client=first_token_to_client,
-    )  # fmt: skip
-    prefill.step(send=(spec,))
-    run_until((prefill, decode), lambda: bool(prefill.sending and decode.recving))
-    data = prefill.worker.stats_data()
-    assert data["write_waits"] == ({"waited": 1} if waits else {})
-    if waits:
-        assert data["finish_to_write_s"][0] >= wait_ms / 1000
-    got, want = decode.kv.tokens((1, 9, 3), NUM_TOKENS), prefill.kv.tokens(PREFILL_BLOCKS, 10)
-    assert np.array_equal(got, want) and not data["failures"]
-    assert not prefill_part(prefill).not_before, "forgotten once the blocks are free"
-
-
-def test_push_skips_the_wait_where_the_registrations_deadline_comes_first(
-    nodes: Callable[..., tuple[Node, Node]],
-) -> None:
-    """Prefill stops serving a registration after its transfer timeout (0.3 s here): a wait
-    that would end after that posts the WRITE at once instead of failing the request."""
-    prefill, decode = nodes("push", prefill={"write_wait_ms": 100, "transfer_timeout_s": 0.3})
-    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
-    run_until((prefill, decode), lambda: prefill_part(prefill).rendezvous.waiting_registrations)
-    time.sleep(0.22)  # the registration has at most 0.08 s left: less than the wait
-    spec = SendSpec(
-        "t1", "p1", PREFILL_BLOCKS, NUM_TOKENS, finished_at=time.monotonic(),
-        first_token_to_client=True,
-    )  # fmt: skip
-    prefill.step(send=(spec,))
-    run_until((prefill, decode), lambda: bool(prefill.sending and decode.recving))
-    data = prefill.worker.stats_data()
-    assert data["write_waits"] == {"skipped_deadline": 1}
-    assert not data["failures"] and not decode.load_errors
-    assert len(prefill.transport.posted) == 1
-
-
-def prefill_part(prefill: Node) -> PushWriter:
-    part = prefill.worker.part
-    assert isinstance(part, PushWriter)
-    return part
-
-
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_a_scheduler_in_the_nodes_process_hands_its_specs_over_at_once(
     nodes: Callable[..., tuple[Node, Node]], mode: str

@@ -13,7 +13,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvpush.core.protocol import FIRST_TOKEN_TO_CLIENT_PARAM
 from kvpush.proxy.config import ProxyConfig
 from kvpush.proxy.metrics import Metrics
 from kvpush.proxy.rewrite import Backend
@@ -78,8 +77,6 @@ async def test_client_gets_decode_answer_and_legs_are_rewritten(rig: Rig) -> Non
     assert d_body["max_tokens"] == 8
     assert p_headers["x-request-id"] == d_headers["x-request-id"]
     assert d_body["kv_transfer_params"]["do_remote_prefill"] is True
-    # unstreamed, the client's first token is decode's: prefill's WRITE must not wait
-    assert FIRST_TOKEN_TO_CLIENT_PARAM not in p_body["kv_transfer_params"]
 
 
 async def test_streaming_is_relayed_chunk_by_chunk(rig: Rig) -> None:
@@ -275,19 +272,10 @@ async def test_a_streamed_answer_starts_with_prefills_token_and_decode_continues
     if rig.prefill.received[0][1]["kv_transfer_params"].get("transfer_id"):  # push
         transfer_id = rig.prefill.received[0][1]["kv_transfer_params"]["transfer_id"]
         assert xargs == {"kvpush_first_token_of": transfer_id}
-        # prefill's writer may let its answer leave before the WRITE (`write_wait_ms`)
-        assert rig.prefill.received[0][1]["kv_transfer_params"][FIRST_TOKEN_TO_CLIENT_PARAM]
     else:
         assert xargs == {"kvpush_first_token": 1}  # the id prefill returned
     metrics = await (await rig.session.get(rig.url + "/metrics")).text()
     assert 'kvpush_proxy_first_token_total{source="prefill"} 1.0' in metrics
-
-
-async def test_with_the_first_token_from_decode_prefill_is_not_told_it_answers_first() -> None:
-    async for rig in make_rig("push", first_token="decode"):
-        await (await rig.post({**BODY, "stream": True})).text()
-        params = rig.prefill.received[0][1]["kv_transfer_params"]
-        assert params["transfer_id"] and FIRST_TOKEN_TO_CLIENT_PARAM not in params
 
 
 async def test_when_decode_answers_first_the_stream_is_decodes_alone() -> None:

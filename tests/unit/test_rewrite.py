@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.core.protocol import FIRST_TOKEN_TO_CLIENT_PARAM
 from kvpush.proxy import rewrite
 from kvpush.proxy.rewrite import Backend, RequestError
 
@@ -88,13 +87,6 @@ def test_push_decode_params_name_prefill_and_share_the_transfer_id() -> None:
     )
     assert params["tp_size"] == 2
     assert params["transfer_id"] == rewrite.push_prefill_params("tid")["transfer_id"] == "tid"
-
-
-def test_push_prefill_is_told_only_where_its_answer_is_the_clients_first_token() -> None:
-    marked = rewrite.push_prefill_params("tid", first_token_to_client=True)
-    assert marked[FIRST_TOKEN_TO_CLIENT_PARAM] is True
-    assert FIRST_TOKEN_TO_CLIENT_PARAM not in rewrite.push_prefill_params("tid")
-    assert FIRST_TOKEN_TO_CLIENT_PARAM not in rewrite.pull_prefill_params()
 
 
 def test_push_without_prefill_coordinates_names_the_fix() -> None:

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from kvpush.core.protocol import FIRST_TOKEN_TO_CLIENT_PARAM
 from kvpush.node.config import KvpushConfig
 from kvpush.node.specs import AbortSpec
 from kvpush.vllm.scheduler import SchedulerSide
@@ -173,47 +172,6 @@ def test_prefill_holds_blocks_until_the_write_is_done() -> None:
     assert (send.transfer_id, send.block_ids, send.num_tokens) == ("t1", (9,), 4)
     side.update_connector_output({"p"}, set())
     assert not side.has_pending_push_work()
-
-
-@pytest.mark.parametrize(("flag", "marked"), [(True, True), (None, False), ("true", False)])
-def test_a_finished_prefill_is_marked_where_the_proxy_says_its_answer_is_the_first_token(
-    flag: object, marked: bool
-) -> None:
-    """The mark lets prefill's writer wait for that answer to leave (`write_wait_ms`)."""
-    from vllm.v1.request import RequestStatus
-
-    side = SchedulerSide(KvpushConfig(), "prefill-0", is_producer=True)
-    params = {"do_remote_decode": True, "transfer_id": "t1"}
-    if flag is not None:
-        params[FIRST_TOKEN_TO_CLIENT_PARAM] = flag
-    req = FakeRequest("p", [1, 2], params, RequestStatus.FINISHED_LENGTH_CAPPED, 2)
-    side.request_finished(req, [9])  # type: ignore[arg-type]
-    (send,) = side.build_connector_meta(SimpleNamespace()).send
-    assert send.first_token_to_client is marked
-
-
-@pytest.mark.parametrize(
-    ("extra", "host_memory_s", "gpu_s"),
-    [
-        ({}, 0.0015, 0.0),  # auto: a wait only where the engine computes on the CPU
-        ({"write_wait_ms": "auto"}, 0.0015, 0.0),
-        ({"write_wait_ms": 0}, 0.0, 0.0),  # off
-        ({"write_wait_ms": 4}, 0.004, 0.004),
-        ({"write_wait_ms": 2.5}, 0.0025, 0.0025),
-    ],
-)
-def test_the_writes_wait_is_auto_or_milliseconds(
-    extra: dict[str, object], host_memory_s: float, gpu_s: float
-) -> None:
-    config = KvpushConfig.from_extra({**extra, "insecure": True}, env={})
-    assert config.write_wait_s(kv_in_host_memory=True) == pytest.approx(host_memory_s)
-    assert config.write_wait_s(kv_in_host_memory=False) == pytest.approx(gpu_s)
-
-
-@pytest.mark.parametrize("value", [-1, 101, "2", True, None, float("nan"), "off"])
-def test_a_bad_write_wait_is_refused_with_what_it_may_be(value: object) -> None:
-    with pytest.raises(ValueError, match='write_wait_ms must be "auto" or milliseconds from 0'):
-        KvpushConfig.from_extra({"write_wait_ms": value, "insecure": True}, env={})
 
 
 def test_aborted_prefill_frees_at_once_and_tells_the_worker() -> None:
