@@ -11,6 +11,11 @@ Failure rules kept here (the pairing rules are `core.rendezvous`'s):
 - a transfer this rank writes to several decode ranks (`core.fanout`) is paired, written
   and cancelled per decode rank, and its blocks are released once, when the last is done;
   messages to decode name the transfer, never a leg.
+
+A paired WRITE is posted at once. Holding it on a one-core prefill until the first token
+has left (a timer wait after a prefill whose answer is the client's first token) was built
+and measured twice: ahead one evening, behind the next (docs/benchmarks.md, "The wait
+built into the product, measured again").
 """
 
 from __future__ import annotations
