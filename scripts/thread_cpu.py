@@ -17,10 +17,13 @@ Push is split in two phases:
         --heads 1 --unit 16       # 16k tokens, 64 regions: a long prompt on a GPU layout
 
 One process, both nodes: pin it (`taskset -c 0`) to see the costs as one core pays them.
-Known limit of the one-process pair: with UCX's TCP transport (`UCX_TLS=tcp`) push WRITEs
+Known limits of the one-process pair: with UCX's TCP transport (`UCX_TLS=tcp`) push WRITEs
 of more than ~300 KB fail there (UCX reports the connection reset), and now and then with
-shared memory too; the same WRITEs between two processes arrive. Keep large shapes to
-shared memory, and read failures in this script as its own.
+shared memory too; and on some hosts every push WRITE over CMA (`process_vm_writev`, which
+UCX picks for host memory between processes) fails with an I/O error when both agents are
+in one process. The same WRITEs between two processes arrive. So unless `UCX_TLS` is set,
+the script leaves CMA out (`UCX_TLS=^cma`), and it stops with an error instead of printing
+numbers when any transfer failed: those would be the cost of failing, not of moving KV.
 """
 
 from __future__ import annotations
@@ -131,12 +134,17 @@ def measure(mode: str, requests: int, warm: int, shape: argparse.Namespace) -> L
     num_tokens = blocks * BLOCK_SIZE
     ids = tuple(range(1, blocks + 1))
 
+    failed: list[set[int]] = []  # decode's blocks whose KV did not arrive, per report
+
     def step() -> None:
         """One engine step of each server: collect what finished."""
         for side, mine in ((prefill, sent), (decode, arrived)):
             side.hand_off((), (), ())
             done_sending, done_recving = side.get_finished()
             mine |= done_sending | done_recving
+        errors = decode.get_block_ids_with_load_errors()
+        if errors:
+            failed.append(errors)
 
     try:
         for i in range(warm + requests):
@@ -183,6 +191,13 @@ def measure(mode: str, requests: int, warm: int, shape: argparse.Namespace) -> L
     finally:
         prefill.shutdown()
         decode.shutdown()
+    if failed:
+        raise SystemExit(
+            f"{mode}: {len(failed)} of {warm + requests} transfers failed (their errors are "
+            "logged above), so no numbers: they would be the cost of failing. A one-process "
+            "pair's known limits are in this script's docstring; try another UCX_TLS "
+            "(e.g. UCX_TLS=sm) or a smaller shape"
+        )
     return ledger
 
 
@@ -215,6 +230,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=2, help="KV heads (1: dense blocks)")
     parser.add_argument("--unit", type=int, default=256, help="bytes of K and V per head")
     args = parser.parse_args()
+    if "UCX_TLS" not in os.environ:  # before NIXL starts UCX (docstring: CMA in one process)
+        os.environ["UCX_TLS"] = "^cma"
+        print("UCX_TLS=^cma (CMA fails between two agents of one process on some hosts)")
     for mode in ("push", "pull") if args.mode == "both" else (args.mode,):
         report(mode, measure(mode, args.requests, args.warm, args), args.requests)
 
