@@ -51,8 +51,10 @@ On a fifth host (2-core Intel Xeon with AMX), sweep-intel-amx/: the sweep-amd gr
 four iterations, 2026-12-05 15:38-16:47 at 97e1b64, 96 of 96 ok; sweep-intel-amx-vllm-order/:
 the same setups with `--first-token decode` and three iterations, 19:01-19:37 at b97dbc7,
 72 of 72 ok; sweep-intel-amx-push-pull/: `--setups kvpush-push,kvpush-pull` alone in the
-default order, three iterations, 20:39-20:57 at a1f2882, 36 of 36 ok. No profile there, so
-no test reads them.
+default order, three iterations, 20:39-20:57 at a1f2882, 36 of 36 ok;
+sweep-intel-amx-push-pull-48/: the same two setups with 48 prompts a point and two
+iterations, 2026-12-06 03:42-03:57 at 848c37c, 24 of 24 ok. No profile there, so no test
+reads them.
 Within 25 % at 8 of 72 and 9 of 54 point-metrics, every prediction low; the sweep's TPOT
 (each token through the proxy and the client, floating over both cores) is what the probes
 miss most (docs/planning.md, "The reference sweeps, vLLM's prefill on its own core").
