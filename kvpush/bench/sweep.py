@@ -13,12 +13,20 @@ log. A run that stalls, errors or cannot start is recorded as such with the reas
 sweep goes on: every request has the proxy's deadline (--request-timeout) and every run a
 wall-clock deadline. Files already in OUT are not redone, so an interrupted sweep resumes
 where it stopped (--retry-failed also redoes the runs that were not ok).
+
+Before each run every server's prefix cache is emptied (vLLM's `POST /reset_prefix_cache`,
+which vLLM serves only with VLLM_SERVER_DEV_MODE=1, set on the sweep's servers; vLLM's own
+`vllm bench sweep` does the same). Prefix caching stays on, but one start of the servers runs
+all of a setup's points, and `vllm bench serve`'s random prompts are runs of consecutive token
+ids from a random offset: with a small vocabulary (the tiny model's 1,024) a later run's prompt
+often starts where an earlier one did, and both servers would serve it from their caches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -26,7 +34,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +58,11 @@ from kvpush.testbed.topology_proxy import local_url, start_topology_proxy, warm_
 
 # Below this share of decode's prompt tokens moved by KV transfer a run is flagged.
 HANDED_OFF_LOW = 0.9
+# What vLLM needs to serve POST /reset_prefix_cache (the sweep's servers only: a deployment's
+# servers keep vLLM's development endpoints shut)
+DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+# How long a reset may be retried while a server still holds blocks (a WRITE's release)
+RESET_TIMEOUT_S = 10.0
 # the sources of the proxy's first-token counter, recorded per run
 FIRST_SOURCES = ("prefill", "decode", "mismatch")
 
@@ -367,6 +382,30 @@ def safe_scrape(url: str) -> dict[scrape.Sample, float]:
         return {}
 
 
+def reset_prefix_caches(urls: Iterable[str], timeout: float = RESET_TIMEOUT_S) -> str | None:
+    """Empty the prefix cache of every server in `urls`, retrying while one still holds
+    blocks (vLLM refuses then); None when all were emptied, else what went wrong."""
+    for url in urls:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                request = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST")
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    body = response.read()
+            except urllib.error.HTTPError as exc:
+                hint = " (is VLLM_SERVER_DEV_MODE=1 set?)" if exc.code == 404 else ""
+                return f"{url}/reset_prefix_cache answered HTTP {exc.code}{hint}"
+            except OSError as exc:
+                return f"{url}/reset_prefix_cache failed: {exc}"
+            with contextlib.suppress(ValueError):
+                if json.loads(body).get("success") is True:
+                    break
+            if time.monotonic() >= deadline:
+                return f"{url} still held KV blocks after {timeout:g} s, so its prefix cache stayed"
+            time.sleep(0.2)
+    return None
+
+
 def metric_deltas(
     before: dict[scrape.Sample, float], after: dict[scrape.Sample, float]
 ) -> dict[str, float]:
@@ -425,6 +464,7 @@ def run_point(
     command = bench_command(spec, point, proxy_url, raw_dir)
     servers = server_urls(topology)
     decode_url = servers.get("decode") or servers["single"]
+    not_reset = reset_prefix_caches(servers.values())
     before = {role: safe_scrape(url) for role, url in servers.items()}
     firsts_before = proxy.first_tokens()
     deadline = spec.deadline(point)
@@ -507,6 +547,9 @@ def run_point(
         "deadline_s": round(deadline, 1),
         **summary,
         "decode_queue": sampler.summary(),
+        # every server's prefix cache emptied before the run (else why not)
+        "prefix_cache_reset": not_reset is None,
+        **({} if not_reset is None else {"prefix_cache_not_reset": not_reset}),
         "metrics": deltas,
         "first_token_sources": firsts,
         "command": command,
@@ -635,6 +678,8 @@ def describe(result: dict[str, Any]) -> str:
         mismatch = result["first_token_sources"].get("mismatch")
         if mismatch:
             line += f" ({mismatch} not reproduced by decode)"
+    if result.get("prefix_cache_not_reset"):
+        line += f"; WARNING: {result['prefix_cache_not_reset']}"
     handed = result.get("kv_handed_off")
     if handed is not None and handed < HANDED_OFF_LOW:
         line += (
@@ -695,7 +740,9 @@ def run_group(
     queue = list(points)
     while queue:
         pair = spec.pair
-        topology = Topology(pair.topology(setup, "sweep", timed_hooks=spec.trace))
+        config = pair.topology(setup, "sweep", timed_hooks=spec.trace)
+        config.extra_env.update(DEV_MODE_ENV)
+        topology = Topology(config)
         try:
             topology.start()
             took = topology.wait_healthy(pair.startup_timeout, StartupProgress(f"[{setup}] "))

@@ -46,6 +46,8 @@ def test_a_short_sweep_records_both_setups_resumes_and_plots(
     assert ours["completed"] == PROMPTS and ours["failed"] == 0
     assert 0 < ours["ttft"]["p50"] <= ours["ttft"]["p99"] and ours["tpot"]["p50"] > 0
     assert ours["decode_queue"]["samples"] > 0
+    # both servers' prefix caches were emptied before the run (vLLM's dev endpoint, on)
+    assert ours["prefix_cache_reset"] is True, ours.get("prefix_cache_not_reset")
     decode = ours["metrics"]["decode"]
     external = delta_total(
         decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"

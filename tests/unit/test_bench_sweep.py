@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import resource
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -231,6 +233,62 @@ def test_a_run_where_decode_computed_its_prompts_itself_is_flagged() -> None:
     ok = {"status": "ok", "ttft": {"p50": 0.01}, "tpot": {"p50": 0.002}}
     assert "WARNING" in sweep.describe({**ok, "kv_handed_off": 0.0})
     assert "WARNING" not in sweep.describe({**ok, "kv_handed_off": 0.99})
+
+
+class ResetServer:
+    """A real HTTP server on loopback answering POST /reset_prefix_cache as vLLM does: it
+    refuses (success false) the first `busy` times, as vLLM does while blocks are held."""
+
+    def __init__(self, busy: int = 0, status: int = 200) -> None:
+        self.calls = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+                outer.calls += 1
+                body = json.dumps({"success": outer.calls > busy}).encode()
+                self.send_response(status if self.path == "/reset_prefix_cache" else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_every_servers_prefix_cache_is_emptied_before_a_run_retrying_while_busy() -> None:
+    """vllm bench serve's random prompts are consecutive token ids from a random offset; with
+    the tiny model's 1,024-token vocabulary later runs of one server start would hit the
+    prefix caches (14 % of decode's prompt tokens by a start's sixth 48-prompt run)."""
+    idle, busy = ResetServer(), ResetServer(busy=2)
+    try:
+        assert sweep.reset_prefix_caches([idle.url, busy.url], timeout=5.0) is None
+        assert (idle.calls, busy.calls) == (1, 3)
+    finally:
+        idle.close()
+        busy.close()
+    stuck = ResetServer(busy=10**6)
+    try:
+        why = sweep.reset_prefix_caches([stuck.url], timeout=0.5)
+        assert why is not None and "still held KV blocks" in why
+    finally:
+        stuck.close()
+    closed = ResetServer(status=404)  # a server started without VLLM_SERVER_DEV_MODE=1
+    try:
+        why = sweep.reset_prefix_caches([closed.url], timeout=1.0)
+        assert why is not None and "HTTP 404" in why and "VLLM_SERVER_DEV_MODE=1" in why
+    finally:
+        closed.close()
+    ok = {"status": "ok", "ttft": {"p50": 0.01}, "tpot": {"p50": 0.002}}
+    assert "WARNING: " + why in sweep.describe({**ok, "prefix_cache_not_reset": why})
 
 
 def write_recorded_sweep(out: Path) -> None:
