@@ -53,8 +53,14 @@ the same setups with `--first-token decode` and three iterations, 19:01-19:37 at
 72 of 72 ok; sweep-intel-amx-push-pull/: `--setups kvpush-push,kvpush-pull` alone in the
 default order, three iterations, 20:39-20:57 at a1f2882, 36 of 36 ok;
 sweep-intel-amx-push-pull-48/: the same two setups with 48 prompts a point and two
-iterations, 2026-12-06 03:42-03:57 at 848c37c, 24 of 24 ok. No profile there, so no test
-reads them.
+iterations, 2026-12-06 03:42-03:57 at 848c37c, 24 of 24 ok. No test reads those four.
+sweep-intel-amx-reference/: issue 20's acceptance sweep, `--setups kvpush-push,kvpush-pull,
+vllm-pull-nospin,vllm-pull,single --rates 1,2,4 --input-lens 256,1024 --iterations 3` (48
+prompts), every server's prefix cache emptied before each run (e021566), 2026-12-06
+05:32-06:30 at e021566, 90 of 90 ok; profile-intel-amx.json: `kvpush plan measure` there
+right after it, 06:34-06:36, the proxy's added latency from `kvpush proxy bench --streams 1`
+run just before it (0.09 ms pull, 0.90 ms push). Within 25 % at 47 of 72 point-metrics,
+every prediction low.
 Within 25 % at 8 of 72 and 9 of 54 point-metrics, every prediction low; the sweep's TPOT
 (each token through the proxy and the client, floating over both cores) is what the probes
 miss most (docs/planning.md, "The reference sweeps, vLLM's prefill on its own core").
@@ -525,6 +531,98 @@ INTEL_UVLOOP_ONE_BURST: dict[Point, float] = {
     ("vllm-pull-nospin", 1024, 4): 0.0,
 }
 
+# The acceptance sweep of issue 20 on the Intel host with AMX (sweep-intel-amx-reference: five
+# setups, 48 prompts, three iterations, every server's prefix cache emptied before each run),
+# against profile-intel-amx.json measured there right after it: every point predicted low,
+# TTFT 22-51 %, TPOT and E2E within 25 % at 46 of 48.
+AMX_ACHIEVED: dict[Point, Errors] = {
+    ("kvpush-pull", 256, 1): (-0.509, -0.182, -0.216),
+    ("kvpush-pull", 256, 2): (-0.44, -0.16, -0.187),
+    ("kvpush-pull", 256, 4): (-0.388, -0.181, -0.208),
+    ("kvpush-pull", 1024, 1): (-0.381, -0.184, -0.23),
+    ("kvpush-pull", 1024, 2): (-0.408, -0.225, -0.26),
+    ("kvpush-pull", 1024, 4): (-0.364, -0.249, -0.268),
+    ("kvpush-push", 256, 1): (-0.468, -0.104, -0.155),
+    ("kvpush-push", 256, 2): (-0.419, -0.151, -0.18),
+    ("kvpush-push", 256, 4): (-0.374, -0.154, -0.184),
+    ("kvpush-push", 1024, 1): (-0.337, -0.095, -0.138),
+    ("kvpush-push", 1024, 2): (-0.314, -0.107, -0.144),
+    ("kvpush-push", 1024, 4): (-0.276, -0.115, -0.149),
+    ("vllm-pull", 256, 1): (-0.403, -0.013, -0.086),
+    ("vllm-pull", 256, 2): (-0.469, -0.099, -0.17),
+    ("vllm-pull", 256, 4): (-0.482, -0.086, -0.147),
+    ("vllm-pull", 1024, 1): (-0.219, -0.057, -0.103),
+    ("vllm-pull", 1024, 2): (-0.252, -0.014, -0.072),
+    ("vllm-pull", 1024, 4): (-0.291, -0.03, -0.064),
+    ("vllm-pull-nospin", 256, 1): (-0.488, -0.119, -0.191),
+    ("vllm-pull-nospin", 256, 2): (-0.457, -0.053, -0.134),
+    ("vllm-pull-nospin", 256, 4): (-0.473, -0.016, -0.109),
+    ("vllm-pull-nospin", 1024, 1): (-0.304, -0.03, -0.095),
+    ("vllm-pull-nospin", 1024, 2): (-0.274, -0.023, -0.076),
+    ("vllm-pull-nospin", 1024, 4): (-0.308, -0.008, -0.104),
+}
+AMX_WITHIN_25: dict[str, set[Point]] = {
+    "ttft": {
+        ("vllm-pull", 1024, 1),
+    },
+    "tpot": {
+        ("kvpush-pull", 256, 1),
+        ("kvpush-pull", 256, 2),
+        ("kvpush-pull", 256, 4),
+        ("kvpush-pull", 1024, 1),
+        ("kvpush-pull", 1024, 2),
+        ("kvpush-pull", 1024, 4),
+        ("kvpush-push", 256, 1),
+        ("kvpush-push", 256, 2),
+        ("kvpush-push", 256, 4),
+        ("kvpush-push", 1024, 1),
+        ("kvpush-push", 1024, 2),
+        ("kvpush-push", 1024, 4),
+        ("vllm-pull", 256, 1),
+        ("vllm-pull", 256, 2),
+        ("vllm-pull", 256, 4),
+        ("vllm-pull", 1024, 1),
+        ("vllm-pull", 1024, 2),
+        ("vllm-pull", 1024, 4),
+        ("vllm-pull-nospin", 256, 1),
+        ("vllm-pull-nospin", 256, 2),
+        ("vllm-pull-nospin", 256, 4),
+        ("vllm-pull-nospin", 1024, 1),
+        ("vllm-pull-nospin", 1024, 2),
+        ("vllm-pull-nospin", 1024, 4),
+    },
+    "e2el": {
+        ("kvpush-pull", 256, 1),
+        ("kvpush-pull", 256, 2),
+        ("kvpush-pull", 256, 4),
+        ("kvpush-pull", 1024, 1),
+        ("kvpush-push", 256, 1),
+        ("kvpush-push", 256, 2),
+        ("kvpush-push", 256, 4),
+        ("kvpush-push", 1024, 1),
+        ("kvpush-push", 1024, 2),
+        ("kvpush-push", 1024, 4),
+        ("vllm-pull", 256, 1),
+        ("vllm-pull", 256, 2),
+        ("vllm-pull", 256, 4),
+        ("vllm-pull", 1024, 1),
+        ("vllm-pull", 1024, 2),
+        ("vllm-pull", 1024, 4),
+        ("vllm-pull-nospin", 256, 1),
+        ("vllm-pull-nospin", 256, 2),
+        ("vllm-pull-nospin", 256, 4),
+        ("vllm-pull-nospin", 1024, 1),
+        ("vllm-pull-nospin", 1024, 2),
+        ("vllm-pull-nospin", 1024, 4),
+    },
+}
+AMX_ONE_BURST: dict[Point, float] = {
+    ("kvpush-push", 256, 1): 0.0,
+    ("kvpush-pull", 1024, 4): 0.0,
+    ("vllm-pull", 1024, 4): 0.0,
+}
+
+
 @dataclass(frozen=True)
 class Recorded:
     """A recorded sweep, the profile measured on its host, and what the check achieved."""
@@ -558,6 +656,9 @@ RECORDED: dict[str, Recorded] = {
         INTEL_UVLOOP_ACHIEVED,
         INTEL_UVLOOP_WITHIN_25,
         INTEL_UVLOOP_ONE_BURST,
+    ),
+    "sweep-intel-amx-reference": Recorded(
+        "profile-intel-amx.json", AMX_ACHIEVED, AMX_WITHIN_25, AMX_ONE_BURST
     ),
 }
 CASES = [
