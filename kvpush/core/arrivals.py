@@ -259,7 +259,8 @@ class Arrivals:
         return (
             f"KV for transfer {expected.transfer_id} did not arrive in time: "
             f"{len(expected.arrived)} of {len(expected.producers)} producer ranks finished; "
-            "check the prefill instance's health and the network between the instances"
+            "check the prefill instance's health and the network between the instances (the "
+            "deadline is prefill_timeout_s in push mode, transfer_timeout_s in pull)"
         )
 
     def _fail(self, expected: _Expected, reason: str, kind: str, now: float) -> list[Outcome]:

@@ -220,7 +220,7 @@ class Rendezvous:
     registration; `tombstone_s` how long an ended transfer is remembered.
 
     Nothing a peer sends grows it without bound: a registration's deadline is capped at
-    `max_wait_s` (prefill's own transfer timeout), at most `max_waiting` registrations
+    `max_wait_s` (prefill's own `prefill_timeout_s`), at most `max_waiting` registrations
     wait for their prefill (more are refused, saying so), and past `max_tombstones` the
     oldest tombstone is forgotten; both are counted in `stats`.
     """

@@ -52,10 +52,16 @@ class KvpushConfig:
     host: str = "127.0.0.1"
     port: int = 5600
     bind_host: str = ""
-    # How long a decode waits for prefill's KV before failing the request; also how long
-    # prefill may still start a WRITE after a registration arrived, and how long a posted
-    # transfer may take before it is cancelled.
+    # How long a posted transfer (push's WRITE, pull's READ) may take before it is
+    # cancelled; pull: how long decode waits for prefill's KV once it has blocks (prefill
+    # finished before decode got the request); a handshake's budget.
     transfer_timeout_s: float = 30.0
+    # Push: how long decode waits for prefill's KV after it allocated the blocks and
+    # registered them, which covers prefill's queue and forward as well as the WRITE; also
+    # how long prefill keeps a registration and may still start its WRITE. A request that
+    # waits behind others on a busy prefill must not fail for that alone, so this is the
+    # proxy's default request timeout, not the transfer's.
+    prefill_timeout_s: float = 300.0
     # How long prefill keeps finished blocks for decode: push, for a registration that has
     # not arrived; pull, for a READ (decode renews the lease every lease_s / 2 until done).
     lease_s: float = 30.0
@@ -91,9 +97,15 @@ class KvpushConfig:
             raise ValueError(
                 f"kv_connector_extra_config.mode must be one of {MODES}, got {self.mode!r}"
             )
-        if self.transfer_timeout_s <= 0 or self.lease_s <= 0 or self.fence_s < 0:
+        if (
+            self.transfer_timeout_s <= 0
+            or self.prefill_timeout_s <= 0
+            or self.lease_s <= 0
+            or self.fence_s < 0
+        ):
             raise ValueError(
-                "transfer_timeout_s and lease_s must be positive seconds, fence_s not negative"
+                "transfer_timeout_s, prefill_timeout_s and lease_s must be positive seconds, "
+                "fence_s not negative"
             )
         if self.thread_policy not in POLICIES:
             raise ValueError(
@@ -143,6 +155,7 @@ class KvpushConfig:
             "bind_host",
             "port",
             "transfer_timeout_s",
+            "prefill_timeout_s",
             "lease_s",
             "fence_s",
             "secret_env",
@@ -189,6 +202,7 @@ class KvpushConfig:
             port=int(extra.get("port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))),
             bind_host=str(extra.get("bind_host", "")),
             transfer_timeout_s=float(extra.get("transfer_timeout_s", 30.0)),
+            prefill_timeout_s=float(extra.get("prefill_timeout_s", 300.0)),
             lease_s=float(extra.get("lease_s", 30.0)),
             fence_s=float(extra.get("fence_s", 5.0)),
             secret=secret.encode() if secret else None,

@@ -61,7 +61,7 @@ class PushWriter(PeerLoop[StartWrite]):
             ident.tp_rank,
             ident.tp_size,
             lease_s=ctx.config.lease_s,
-            max_wait_s=ctx.config.transfer_timeout_s,
+            max_wait_s=ctx.config.prefill_timeout_s,
         )
         self.registered_at: dict[tuple[str, int], float] = {}
         # request id -> when vLLM finished its prefill, until its blocks are released
@@ -166,7 +166,7 @@ class PushWriter(PeerLoop[StartWrite]):
         self.act(self.rendezvous.expire(now))
         # a fan whose prefill never came (it ran elsewhere, or never ended): its legs
         # expired long ago; forget it (its prefill, should it end, waits out a lease)
-        too_old = now - 2 * (self.ctx.config.transfer_timeout_s + self.ctx.config.lease_s)
+        too_old = now - 2 * (self.ctx.config.prefill_timeout_s + self.ctx.config.lease_s)
         while self._fan_opened:
             transfer_id, opened = next(iter(self._fan_opened.items()))
             if opened > too_old:
@@ -244,7 +244,7 @@ class PushWriter(PeerLoop[StartWrite]):
         in time order, so the oldest go first: a registration never written (dropped,
         stale, expired) is forgotten once it could no longer be."""
         self.registered_at[(reg.transfer_id, reg.generation)] = at
-        too_old = at - 2 * self.ctx.config.transfer_timeout_s
+        too_old = at - 2 * self.ctx.config.prefill_timeout_s
         while (oldest := next(iter(self.registered_at.items()))) and oldest[1] < too_old:
             del self.registered_at[oldest[0]]
 

@@ -126,6 +126,10 @@ class Receiver(PeerLoop[_ForRank]):
         # push moves no KV from here: its handshakes need no prefill NIXL agent
         super().__init__(ctx, name, "prefill", load_agents=self.pull)
         self.arrivals = Arrivals(ctx.config.fence_s)
+        # How long a request waits for its KV once decode has blocks: pull READs a prefill
+        # that has finished; push waits for prefill's queue and forward too.
+        config = ctx.config
+        self._wait_s = config.transfer_timeout_s if self.pull else config.prefill_timeout_s
         self.expecting: dict[str, _Expecting] = {}
         self.renewals: Deadlines[_Expecting] = Deadlines()
         # push: transfers a prefill rank said it is writing (`Writing`), until they settle
@@ -204,7 +208,7 @@ class Receiver(PeerLoop[_ForRank]):
 
     def _expect(self, spec: RecvSpec, now: float) -> None:
         producers = self._producers(spec.prefill_tp)
-        deadline = now + self.ctx.config.transfer_timeout_s
+        deadline = now + self._wait_s
         self.arrivals.expect(spec.transfer_id, spec.generation, producers, deadline)
         old = self.expecting.get(spec.transfer_id)
         if old is not None:
@@ -418,7 +422,7 @@ class Receiver(PeerLoop[_ForRank]):
             block_ids=spec.block_ids,
             num_tokens=spec.num_tokens,
             generation=spec.generation,
-            deadline_ms=int(ctx.config.transfer_timeout_s * 1000),
+            deadline_ms=int(ctx.config.prefill_timeout_s * 1000),
             first_token=spec.first_token,
             agent_name=ctx.hello.agent_name,
         )

@@ -66,6 +66,9 @@ pytestmark = pytest.mark.e2e
 PORT, KV = BASE_PORT + 50, KV_PORT + 50  # clear of the other modules' deployments
 SECRET = "kvpush-e2e-faults-secret"
 TRANSFER_TIMEOUT_S, FENCE_S, LEASE_S = 4.0, 2.0, 6.0
+# push: decode's wait for prefill's queue, forward and WRITE; a posted WRITE's own bound is
+# shorter than a held prefill (HOLD_S), so a slow prefill fails nothing by the wrong clock
+PREFILL_TIMEOUT_S, PUSH_TRANSFER_TIMEOUT_S = 7.0, 2.0
 REQUEST_TIMEOUT_S = 12.0
 HOLD_S = 3.0  # how long the hold_* and delay_write hooks hold a request
 FAULTS = f"hold_decode={HOLD_S},hold_prefill={HOLD_S},delay_write={HOLD_S}"
@@ -115,7 +118,8 @@ def d(
         extra_env={"KVPUSH_FAULTS": FAULTS, "KVPUSH_SECRET": SECRET},
     )
     settings = {
-        "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+        "transfer_timeout_s": PUSH_TRANSFER_TIMEOUT_S if mode == "push" else TRANSFER_TIMEOUT_S,
+        "prefill_timeout_s": PREFILL_TIMEOUT_S,
         "fence_s": FENCE_S,
         "lease_s": LEASE_S,
     }
@@ -330,11 +334,11 @@ def test_a_transfer_error_reported_by_nixl_fails_the_request_at_once(d: Deployme
     recovered(d, "nixl-error", failed(answer))
 
 
-def test_a_lost_registration_fails_at_the_transfer_timeout(d: Deployment) -> None:
+def test_a_lost_registration_fails_at_the_prefill_timeout(d: Deployment) -> None:
     only(d, "push", "pull has no registration")
     answer = ask(d, "s2-fault-drop_registration")
     assert answer.status == 502, answer.body
-    assert TRANSFER_TIMEOUT_S - 0.5 < answer.seconds < TRANSFER_TIMEOUT_S + 3, failed(answer)
+    assert PREFILL_TIMEOUT_S - 0.5 < answer.seconds < PREFILL_TIMEOUT_S + 3, failed(answer)
     assert failures(d.decode, "transfer_timeout") >= 1
     recovered(d, "registration-lost", failed(answer))
 
@@ -366,7 +370,7 @@ def test_a_frozen_prefill_fails_the_request_within_its_bound(d: Deployment) -> N
     if d.mode == "push":
         # frozen before the request: decode registers, gets no answer, fails at its
         # deadline, and reuses its blocks fence_s later (no confirmation can come)
-        bound, kind = TRANSFER_TIMEOUT_S + FENCE_S, "fence_timeout"
+        bound, kind = PREFILL_TIMEOUT_S + FENCE_S, "fence_timeout"
         before = failures(d.decode, kind)
         signal_server(d, d.prefill, signal.SIGSTOP)
         try:
@@ -391,6 +395,24 @@ def test_a_frozen_prefill_fails_the_request_within_its_bound(d: Deployment) -> N
     assert bound - 0.5 < answer.seconds < bound + 3, failed(answer)
     assert failures(d.decode, kind) == before + 1
     recovered(d, "prefill-frozen", failed(answer))
+
+
+def test_a_prefill_slower_than_a_transfer_still_hands_over(d: Deployment) -> None:
+    """Push: decode registers as the request arrives, then waits out prefill's queue and
+    forward. Prefill's KV reaching its writer HOLD_S late, longer than a transfer may take
+    (as behind a long queue), must not fail the request: it arrives within
+    `prefill_timeout_s`."""
+    only(d, "push", "pull asks decode only once prefill answered")
+    assert PUSH_TRANSFER_TIMEOUT_S + 0.5 < HOLD_S < PREFILL_TIMEOUT_S - 1.0
+    kinds = ("receive_failed", "transfer_timeout", "registration_expired")
+    before = {kind: failures(d.decode, kind) + failures(d.prefill, kind) for kind in kinds}
+    answer = ask(d, "s8-slow-prefill-fault-hold_prefill")
+    assert answer.status == 200, failed(answer)
+    assert answer.seconds > HOLD_S - 0.5, "it waited for prefill"
+    assert json.loads(answer.body)["choices"][0]["text"]
+    after = {kind: failures(d.decode, kind) + failures(d.prefill, kind) for kind in kinds}
+    assert after == before
+    recovered(d, "prefill-slow", f"answered after {answer.seconds:.1f} s")
 
 
 def test_a_frozen_decode_fails_the_request_at_the_proxy_timeout(d: Deployment) -> None:

@@ -138,6 +138,7 @@ def transfer_config(mode: str, role: str, host: netns.Host) -> dict[str, Any]:
     """README's --kv-transfer-config, with this test's short timeouts."""
     extra: dict[str, Any] = {"mode": mode, "host": host.address, "port": CONTROL_PORT}
     extra |= {"transfer_timeout_s": TRANSFER_TIMEOUT_S, "fence_s": FENCE_S, "lease_s": LEASE_S}
+    extra["prefill_timeout_s"] = TRANSFER_TIMEOUT_S  # push's bound below is this one too
     config: dict[str, Any] = {
         "kv_connector": "KvpushConnector",
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",

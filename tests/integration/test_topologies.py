@@ -82,7 +82,8 @@ def instance() -> Iterator[object]:
         **config: float,
     ) -> list[Rank]:
         """The instance's ranks (`only` these, if given)."""
-        settings = {"lease_s": LEASE_S, "transfer_timeout_s": 10.0} | config
+        settings = {"lease_s": LEASE_S, "transfer_timeout_s": 10.0, "prefill_timeout_s": 10.0}
+        settings |= config
         ranks = []
         for rank in only or range(tp):
             heads = shard(rank, tp, total_heads)
@@ -215,7 +216,7 @@ def test_a_decode_rank_that_gives_up_stops_only_its_own_write_of_a_fanned_out_tr
     (prefill,) = instance("prefill", "push", 1, 4, 4, free_port(8))
     (patient,) = instance("decode", "push", 2, 4, 4, port, only=(0,))
     (hasty,) = instance(
-        "decode", "push", 2, 4, 4, port, only=(1,), transfer_timeout_s=0.3, fence_s=5.0
+        "decode", "push", 2, 4, 4, port, only=(1,), prefill_timeout_s=0.3, fence_s=5.0
     )
     model = np.random.default_rng(3).integers(0, 256, (LAYERS, NUM_TOKENS, 4, UNIT), np.uint8)
     fill(prefill.kv, PREFILL_BLOCKS, model)

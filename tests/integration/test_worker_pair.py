@@ -154,6 +154,15 @@ def pair_factory() -> Iterator[object]:
         pair.prefill.worker.shutdown()
 
 
+def arrived_whole(pair: Pair) -> None:
+    """Step until decode reports t1 (into blocks 1, 9, 3) and prefill its blocks: the KV
+    arrived, byte for byte as prefill's."""
+    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert pair.decode.load_errors == set()
+    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
+    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+
+
 def send_spec(transfer_id: str = "t1") -> SendSpec:
     return SendSpec(transfer_id, "p1", PREFILL_BLOCKS, NUM_TOKENS)
 
@@ -303,7 +312,7 @@ def test_pull_decode_abort_reports_the_request_and_frees_prefill(pair_factory: o
 
 def test_push_decode_abort_frees_its_blocks_once_prefill_confirms(pair_factory: object) -> None:
     assert callable(pair_factory)
-    pair: Pair = pair_factory("push", "push", transfer_timeout_s=5.0)
+    pair: Pair = pair_factory("push", "push", prefill_timeout_s=5.0)
     # decode registers and its request ends before prefill finished
     pair.decode.step(Step(recv=[pair.recv_spec()], aborted=[AbortSpec("t1", "d1")]))
     took = pair.run_until(lambda: pair.decode.recving)
@@ -335,7 +344,7 @@ def test_push_timeout_fails_the_request_once_prefill_confirms(pair_factory: obje
     releases decode's blocks right after, and the cancel frees prefill's blocks."""
     assert callable(pair_factory)
     pair: Pair = pair_factory(
-        "push", "push", faults="drop_registration", transfer_timeout_s=0.5, lease_s=5.0
+        "push", "push", faults="drop_registration", prefill_timeout_s=0.5, lease_s=5.0
     )
     pair.start("t1-fault-drop_registration")
     took = pair.run_until(lambda: pair.decode.recving)
@@ -347,6 +356,25 @@ def test_push_timeout_fails_the_request_once_prefill_confirms(pair_factory: obje
     assert took < 2.0, "decode's cancel freed prefill's blocks, not prefill's 5 s lease end"
 
 
+def test_push_waits_for_a_prefill_queued_past_the_transfer_timeout(pair_factory: object) -> None:
+    """Decode registers as the request arrives; prefill may hold it in its queue far longer
+    than a transfer takes. A prefill that finishes after `transfer_timeout_s` but within
+    `prefill_timeout_s` still hands its KV over, byte for byte, with nothing failed."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory("push", "push", transfer_timeout_s=0.3, prefill_timeout_s=10.0)
+    pair.decode.step(Step(recv=[pair.recv_spec()]))
+    receiver, writer = pair.decode.worker.part, pair.prefill.worker.part
+    assert receiver is not None and writer is not None
+    pair.run_until(lambda: writer.rendezvous.waiting_registrations == 1)
+    queued_until = time.monotonic() + 1.0  # prefill's queue, then its forward
+    pair.run_until(lambda: time.monotonic() > queued_until)
+    assert not pair.decode.recving, "decode still waits: 1 s is past the transfer timeout only"
+    pair.prefill.step(Step(send=[send_spec()]))
+    arrived_whole(pair)
+    for side in (pair.decode, pair.prefill):
+        assert side.worker.stats_data()["failures"] == {}
+
+
 def test_push_prefill_forgets_arrival_times_of_registrations_never_written(
     pair_factory: object,
 ) -> None:
@@ -354,7 +382,7 @@ def test_push_prefill_forgets_arrival_times_of_registrations_never_written(
     from kvpush.node.inbox import Registered
 
     assert callable(pair_factory)
-    pair: Pair = pair_factory("push", "push", transfer_timeout_s=0.5)
+    pair: Pair = pair_factory("push", "push", prefill_timeout_s=0.5)
     writer = pair.prefill.worker.part
     decode = pair.decode.worker.ctx
     assert writer is not None and decode is not None
@@ -438,7 +466,7 @@ def test_push_prefill_that_stays_silent_is_fenced_then_released_by_time(
     """A 'prefill' that accepts frames and never answers (a frozen process): decode fails at
     its deadline, and reuses the blocks only fence_s later."""
     assert callable(pair_factory)
-    pair: Pair = pair_factory("push", "push", transfer_timeout_s=0.4, fence_s=0.8)
+    pair: Pair = pair_factory("push", "push", prefill_timeout_s=0.4, fence_s=0.8)
     received: list[Message] = []
 
     def silent(msg: Message, peer: Peer) -> Message | None:
@@ -460,7 +488,7 @@ def test_push_prefill_that_exits_fails_its_transfers_before_their_deadline(
     pair_factory: object,
 ) -> None:
     assert callable(pair_factory)
-    pair: Pair = pair_factory("push", "push", transfer_timeout_s=20.0)
+    pair: Pair = pair_factory("push", "push", prefill_timeout_s=20.0)
     pair.decode.step(Step(recv=[pair.recv_spec()]))
     receiver = pair.decode.worker.part
     assert receiver is not None
@@ -492,10 +520,7 @@ def test_push_decode_restarted_on_the_same_address_is_handshaken_again(
     pair.decode = start_side("decode", "push", 4, None, port=port)
     pair.prefill.sending.clear()
     pair.start("t2")
-    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
-    assert pair.decode.load_errors == set()
-    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
-    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+    arrived_whole(pair)
 
 
 def test_decode_request_that_ends_before_it_got_blocks_frees_prefill_at_once(
@@ -667,10 +692,7 @@ def test_kv_moves_with_a_secret_inside_mutual_tls(
         spec = pair.recv_spec()
     pair.prefill.step(Step(send=[send_spec()]))
     pair.decode.step(Step(recv=[spec]))
-    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
-    assert pair.decode.load_errors == set()
-    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
-    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+    arrived_whole(pair)
     for side in (pair.prefill, pair.decode):
         assert side.worker.stats_data()["rejected"] == {}
 

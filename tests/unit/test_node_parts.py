@@ -393,7 +393,7 @@ def test_push_decode_keeps_its_blocks_until_the_write_in_flight_ended(
     """The fence: decode gives up at its deadline, but reports the request (and so lets
     vLLM reuse the blocks) only once prefill says no WRITE can land any more."""
     # prefill cancels a WRITE only after its own, longer timeout
-    prefill, decode = nodes("push", transfer_timeout_s=0.5, fence_s=5.0,
+    prefill, decode = nodes("push", transfer_timeout_s=0.5, prefill_timeout_s=0.5, fence_s=5.0,
                             prefill={"transfer_timeout_s": 2.5})  # fmt: skip
     prefill.transport.hold = True
     prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
@@ -573,7 +573,7 @@ def test_push_never_posts_a_write_after_its_registrations_deadline(
 ) -> None:
     """Decode's fence is safe only if prefill posts no WRITE once decode stopped waiting:
     here loading decode's agent takes longer than the registration's 0.3 s."""
-    prefill, decode = nodes("push", transfer_timeout_s=0.3, fence_s=0.5)
+    prefill, decode = nodes("push", prefill_timeout_s=0.3, fence_s=0.5)
     slow_add = prefill.transport.add_peer
 
     def add_peer(metadata: bytes, name: str | None = None) -> str:

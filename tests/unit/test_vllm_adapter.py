@@ -196,6 +196,17 @@ def test_config_rejects_unknown_keys_and_reads_the_side_channel_env() -> None:
         KvpushConfig.from_extra({"mode": "sideways"}, env={})
 
 
+def test_push_waits_for_prefill_longer_than_a_transfer_takes() -> None:
+    """A push request waits in prefill's queue while decode holds its blocks: its deadline
+    is `prefill_timeout_s` (the proxy's request timeout by default), not a transfer's."""
+    config = KvpushConfig.from_extra({"insecure": True}, env={})
+    assert (config.transfer_timeout_s, config.prefill_timeout_s) == (30.0, 300.0)
+    config = KvpushConfig.from_extra({"prefill_timeout_s": 45, "insecure": True}, env={})
+    assert config.prefill_timeout_s == 45.0
+    with pytest.raises(ValueError, match="prefill_timeout_s"):
+        KvpushConfig.from_extra({"prefill_timeout_s": 0, "insecure": True}, env={})
+
+
 def test_pull_prefill_keeps_its_blocks_and_answers_with_their_coordinates() -> None:
     from vllm.v1.request import RequestStatus
 
