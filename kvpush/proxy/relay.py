@@ -1,6 +1,12 @@
 """Decode's answer to the client: relayed whole or streamed chunk by chunk (its first token
 possibly from prefill, `kvpush.proxy.first_token`), with TTFT timed at the client's first
-byte; an error after the stream began is told in-band."""
+byte; an error after the stream began is told in-band.
+
+vLLM reports a request that fails after its stream began (a KV transfer that failed or
+timed out while decode waited) with an event in the stream, `data: {"error": ...}`, whose
+message is only "Internal server error". The relay stops at such an event and fails the
+leg (`BackendFailure`), so the client hears which backend failed and why, as for an
+error before the stream: an HTTP error where nothing was sent yet, else in-band."""
 
 from __future__ import annotations
 
@@ -14,13 +20,36 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.proxy.errors import error_body, error_response
+from kvpush.proxy.errors import BackendFailure, error_body, error_response
 from kvpush.proxy.first_token import Splice
 from kvpush.proxy.metrics import Metrics
 from kvpush.proxy.rewrite import Backend
 
 log = logging.getLogger("kvpush.proxy")
 _EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_ERROR_EVENT = b'data: {"error"'  # how vLLM's streams begin an error event
+
+
+def stream_error(chunk: bytes) -> tuple[bytes, int, str] | None:
+    """Where `chunk` of a backend's event stream holds an error event: the bytes before
+    it, the error's status code and its message. Text inside a token is JSON-escaped, so
+    it cannot start an event this way; an event split across chunks is not seen."""
+    at = chunk.find(_ERROR_EVENT)
+    while at > 0 and chunk[at - 1 : at] != b"\n":
+        at = chunk.find(_ERROR_EVENT, at + 1)
+    if at < 0:
+        return None
+    end = chunk.find(b"\n\n", at)
+    status, message = 500, "an error event without a message"
+    try:
+        error = json.loads(chunk[at + 5 : end if end >= 0 else len(chunk)])["error"]
+        code = error.get("code")
+        if isinstance(code, int) and 400 <= code < 600:
+            status = code
+        message = str(error.get("message") or message)
+    except (ValueError, TypeError, AttributeError, KeyError):
+        pass
+    return chunk[:at], status, message
 
 
 class Relay:
@@ -108,15 +137,23 @@ class Relay:
     async def _chunks(
         self, resp: aiohttp.ClientResponse, backend: Backend, on_first_byte: Callable[[], None]
     ) -> AsyncIterator[bytes]:
-        """Decode's streamed bytes as they come, its first byte timed."""
+        """Decode's streamed bytes as they come, its first byte timed, up to an error event
+        (module doc), which fails the leg."""
         first = True
         async for chunk in resp.content.iter_any():
             if self.chunk_log is not None:
                 self.chunk_log.append((time.monotonic(), len(chunk)))
-            if first:
-                self._first_byte(backend, on_first_byte)
-                first = False
-            yield chunk
+            failed = stream_error(chunk)
+            if failed is not None:
+                chunk = failed[0]
+            if chunk:
+                if first:
+                    self._first_byte(backend, on_first_byte)
+                    first = False
+                yield chunk
+            if failed is not None:
+                _, status, message = failed
+                raise BackendFailure("decode", backend, status, f"failed mid-stream: {message}")
 
     async def _spliced(
         self,

@@ -3,10 +3,9 @@
 It answers instantly (or after `delay`; streamed tokens `token_gap` apart), records every
 request it got (unless `record` is off, as in the benchmark), can require an API key on
 every route (stricter than vLLM's --api-key, which guards /v1/* only), and can be told to
-fail:
-return an HTTP error (its /health then answers 503), or hang, /health included, until the
-client gives up. Not a model: the text it returns is fixed, so what a test checks is the
-proxy's plumbing.
+fail: return an HTTP error (its /health then answers 503), fail a stream after some tokens
+as vLLM does (an error event), or hang, /health included, until the client gives up. Not a
+model: the text it returns is fixed, so what a test checks is the proxy's plumbing.
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ class StubBehaviour:
     token_gap: float = 0.0
     first_gap: float = 0.0  # streamed: before the first token (decode waiting for its KV)
     tokens: tuple[str, ...] = ("Hello", " from", " stub")
+    # streamed: after this many tokens, vLLM's in-band error event (its stream had begun)
+    stream_error_after: int | None = None
 
 
 @dataclass(slots=True)
@@ -138,11 +139,17 @@ class StubBackend:
         limit = body.get("max_tokens")
         tokens = b.tokens[:limit] if isinstance(limit, int) and limit > 0 else b.tokens
         for i, token in enumerate(tokens):
+            if i == b.stream_error_after:
+                break
             if i and b.token_gap:
                 await asyncio.sleep(b.token_gap)
             part: dict[str, Any] = {"delta": {"content": token}} if chat else {"text": token}
             chunk = {"id": "d", "choices": [{"index": 0, **part, "finish_reason": None}]}
             await stream.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if b.stream_error_after is not None:  # as vLLM tells a failure after its 200
+            error = {"message": "Internal server error", "type": "InternalServerError",
+                     "param": None, "code": 500}  # fmt: skip
+            await stream.write(f"data: {json.dumps({'error': error})}\n\n".encode())
         await stream.write(b"data: [DONE]\n\n")
         await stream.write_eof()
         return stream

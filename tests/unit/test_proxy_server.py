@@ -32,6 +32,8 @@ class Rig:
     prefill: StubBackend
     decode: StubBackend
     session: aiohttp.ClientSession
+    mode: str = "pull"
+    decode_url: str = ""
 
     async def post(self, body: dict[str, Any], path: str = "/v1/completions", **kw: Any) -> Any:
         return await self.session.post(self.url + path, json=body, **kw)
@@ -42,18 +44,19 @@ async def make_rig(mode: str, **config: Any) -> AsyncIterator[Rig]:
     p_runner, p_url = await serve_stub(prefill)
     d_runner, d_url = await serve_stub(decode)
     port = free_port()
+    decode_url = config.pop("decode_url", d_url)
     proxy = await start_proxy(
         ProxyConfig(
             mode=mode,
             prefill=[Backend(p_url, "prefill-0", "127.0.0.1", 5600)],
-            decode=[Backend(config.pop("decode_url", d_url))],
+            decode=[Backend(decode_url)],
             **config,
         ),
         "127.0.0.1",
         port,
     )
     async with aiohttp.ClientSession() as session:
-        yield Rig(f"http://127.0.0.1:{port}", prefill, decode, session)
+        yield Rig(f"http://127.0.0.1:{port}", prefill, decode, session, mode, decode_url)
     for runner in (proxy, p_runner, d_runner):
         await runner.cleanup()
 
@@ -223,6 +226,56 @@ async def test_a_failed_handoff_names_the_kvpush_failures_that_grew() -> None:
         second = (await (await rig.post(BODY)).json())["error"]["message"]
         assert "decode http://127.0.0.1:" in second and "peer_gone +1" in second
         assert "transfer_timeout" not in second  # it did not grow this time
+
+
+FAILED_TRANSFER = (
+    'kvpush:info{engine="0",mode="%s",role="decode"} 1.0\n'
+    'kvpush:failures_total{engine="0",kind="transfer_timeout"} 1.0\n'
+)
+
+
+async def test_a_stream_that_fails_before_any_byte_is_an_http_error_naming_the_cause(
+    rig: Rig,
+) -> None:
+    """vLLM fails a streamed request whose KV never came with an event in its 200 stream
+    that says only "Internal server error": where the client has no byte yet, it gets an
+    HTTP error naming decode and kvpush's counted cause instead."""
+    async for other in make_rig(rig.mode, first_token="decode"):
+        other.decode.behaviour = StubBehaviour(stream_error_after=0)
+        other.decode.metrics = FAILED_TRANSFER % rig.mode
+        resp = await other.post({**BODY, "stream": True})
+        assert resp.status == 502, await resp.text()
+        message = (await resp.json())["error"]["message"]
+        assert "decode backend http://127.0.0.1:" in message
+        assert "failed mid-stream: Internal server error" in message
+        assert "transfer_timeout +1" in message
+
+
+async def test_a_stream_that_fails_after_its_first_token_ends_with_the_cause(rig: Rig) -> None:
+    """Prefill's token went out first (or decode's tokens): the error comes in-band, as the
+    stream's last event, with the backend and the cause, and nothing of decode's after it."""
+    rig.decode.behaviour = StubBehaviour(stream_error_after=2)
+    rig.decode.metrics = FAILED_TRANSFER % rig.mode
+    resp = await rig.post({**BODY, "stream": True})
+    assert resp.status == 200
+    events = stream_events(await resp.text())
+    texts = [event_text(e) for e in events[:-1]]
+    assert "".join(texts) == "Hello from", texts  # prefill's token, then decode's next one
+    error = events[-1]["error"]
+    assert error["code"] == 502 and error["backend"] == rig.decode_url
+    assert "failed mid-stream" in error["message"] and "transfer_timeout +1" in error["message"]
+
+
+def test_an_error_event_is_found_only_where_an_event_starts() -> None:
+    from kvpush.proxy.relay import stream_error
+
+    ok = b'data: {"choices": [{"text": "data: {\\"error\\": 1}"}]}\n\n'
+    assert stream_error(ok) is None
+    bad = b'data: {"error": {"message": "boom", "code": 503}}\n\ndata: [DONE]\n\n'
+    assert stream_error(ok + bad) == (ok, 503, "boom")
+    assert stream_error(b'data: {"error": "not an object"}\n\n') == (
+        b"", 500, "an error event without a message"
+    )
 
 
 def stream_events(text: str) -> list[dict[str, Any]]:
