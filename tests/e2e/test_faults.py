@@ -155,11 +155,11 @@ class Answer:
     seconds: float
 
 
-def ask(d: Deployment, request_id: str, timeout: float = 60.0) -> Answer:
+def ask(d: Deployment, request_id: str, timeout: float = 60.0, stream: bool = False) -> Answer:
     """One completion through the proxy with this X-Request-Id."""
     request = urllib.request.Request(
         d.proxy + "/v1/completions",
-        data=json.dumps(completion(d.model, PROMPT)).encode(),
+        data=json.dumps({**completion(d.model, PROMPT), "stream": stream}).encode(),
         headers={"Content-Type": "application/json", "X-Request-Id": request_id},
     )
     started = time.monotonic()
@@ -341,6 +341,25 @@ def test_a_lost_registration_fails_at_the_prefill_timeout(d: Deployment) -> None
     assert PREFILL_TIMEOUT_S - 0.5 < answer.seconds < PREFILL_TIMEOUT_S + 3, failed(answer)
     assert failures(d.decode, "transfer_timeout") >= 1
     recovered(d, "registration-lost", failed(answer))
+
+
+def test_a_streamed_request_that_fails_mid_stream_hears_the_cause(d: Deployment) -> None:
+    """vLLM fails a streamed request whose KV never came inside its 200 stream, saying only
+    "Internal server error"; the client hears decode and kvpush's counted cause instead,
+    as the stream's last event after prefill's first token."""
+    before = failures(d.decode, "receive_failed")
+    fault = "drop_registration" if d.mode == "push" else "nixl_error"  # decode's READ
+    answer = ask(d, f"s2-streamed-fault-{fault}", stream=True)
+    assert answer.status == 200, failed(answer)  # prefill's token went out first
+    events = [line[6:] for line in answer.body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and '"text"' in events[0], events
+    error = json.loads(events[-2])["error"]
+    message = error["message"]
+    assert error["code"] == 502 and error["backend"] == d.decode.url, error
+    assert "decode backend" in message and "Internal server error" in message, message
+    assert "kvpush counted failed transfers" in message, message
+    assert failures(d.decode, "receive_failed") == before + 1
+    recovered(d, "streamed-failure", message[:120])
 
 
 @pytest.mark.parametrize(
