@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -133,6 +134,18 @@ def non_negative() -> Callable[[str], float]:
 def at_least(minimum: int) -> Callable[[str], int]:
     """A whole number of at least `minimum` (counts)."""
     return _checked(int, lambda v: v >= minimum, f"must be at least {minimum}")
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line, such as '{"lease_s": 60}'."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        example = '\'{"lease_s": 60}\''
+        raise argparse.ArgumentTypeError(f"expected a JSON object like {example}, got {text!r}")
+    return value
 
 
 def positive_list(kind: type[int] | type[float], flag: str, text: str) -> list[Any]:

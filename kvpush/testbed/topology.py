@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush.node.config import KvpushConfig
 from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.proxy.rewrite import Backend
 from kvpush.testbed import ipc, source
@@ -79,6 +80,14 @@ class ConnectorSetup:
             config["kv_connector_extra_config"] = dict(self.extra_config)
         return config
 
+
+# kvpush settings a topology chooses itself, and who does
+MANAGED_SETTINGS = {
+    "mode": "--connector kvpush-push or kvpush-pull chooses it",
+    "host": "each server advertises its own address",
+    "port": "each server gets its own control ports from --kv-port",
+    "bind_host": "each server listens on its own address",
+}
 
 # The benchmark-only setup below; `kvpush up` does not offer it.
 NULL = "null"
@@ -341,6 +350,9 @@ class TopologyConfig:
     # More arguments for the servers of one role only ("prefill" or "decode"), after those
     role_vllm_args: dict[str, list[str]] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Settings merged into every server's kv_connector_extra_config (kvpush's: its timeouts,
+    # lease, thread policy...; checked at construction for kvpush's connector)
+    kv_extra_config: dict[str, Any] = field(default_factory=dict)
     workdir: Path = Path(".kvpush")
     # Time every connector hook on vLLM's main threads (see kvpush.bench.timed); each
     # server writes its totals under WORKDIR/hooks/<server>/.
@@ -383,8 +395,24 @@ class TopologyConfig:
             resolve_setup(setup)
         if self.kv_cache_gib <= 0 or self.max_num_seqs < 1:
             raise ValueError("--kv-cache-gib and --max-num-seqs must be positive")
+        if self.kv_extra_config:
+            self._check_kv_extra_config()
         if self.worker_alone:
             self._check_worker_alone()
+
+    def _check_kv_extra_config(self) -> None:
+        """Refuse settings kvpush's connector would refuse, before any server starts."""
+        for setup in {self.setup, *self.role_setups.values()} - {None}:
+            connector = resolve_setup(str(setup))
+            extra = {**dict(connector.extra_config), **self.kv_extra_config}
+            if connector.connector == "KvpushConnector":
+                taken = sorted(set(self.kv_extra_config) & set(MANAGED_SETTINGS))
+                if taken:
+                    raise ValueError(
+                        f"--kv-extra-config cannot set {', '.join(taken)}: "
+                        + "; ".join(f"{key}: {MANAGED_SETTINGS[key]}" for key in taken)
+                    )
+                KvpushConfig.from_extra(extra, require_secret=False)
 
     def _check_worker_alone(self) -> None:
         role = self.worker_alone
@@ -512,6 +540,9 @@ def build_specs(
         if config.setup is not None:
             setup = resolve_setup(config.role_setups.get(role, config.setup))
             transfer = setup.transfer_config(role, name, config.timed_hooks)
+            if config.kv_extra_config:
+                extra = transfer.get("kv_connector_extra_config", {})
+                transfer["kv_connector_extra_config"] = {**extra, **config.kv_extra_config}
             argv += ["--kv-transfer-config", json.dumps(transfer)]
         argv += parallel.vllm_args()
         argv += config.extra_vllm_args + config.role_vllm_args.get(role, [])

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpush.args import allow_dash_value, at_least, port_number, positive
+from kvpush.args import allow_dash_value, at_least, json_object, port_number, positive
 from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.testbed.hosts import Hosts, HostsError
 from kvpush.testbed.pinning import NO_PIN_HELP, check_confined, confined
@@ -150,6 +150,15 @@ def register(subparsers: Any) -> None:
         "prefill and decode on different ones from N=2, the proxy here (default: all on "
         "127.0.0.1)",
     )
+    parser.add_argument(
+        "--kv-extra-config",
+        type=json_object,
+        default={},
+        metavar="JSON",
+        help="settings added to every server's kv_connector_extra_config, as one JSON object, "
+        "e.g. '{\"lease_s\": 60, \"transfer_timeout_s\": 10}' (kvpush's "
+        "settings: the README's table); checked before any server starts",
+    )
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument("--startup-timeout", type=positive(), default=600.0)
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
@@ -184,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             eager=args.eager,
             prefix_caching=args.prefix_caching,
+            kv_extra_config=args.kv_extra_config,
             extra_vllm_args=vllm_args(args.vllm_args),
             role_vllm_args={
                 role: vllm_args(getattr(args, f"{role}_args"), f"--{role}-args")

@@ -60,6 +60,14 @@ def one_error_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["up", "--connector", "vllm-pull", "--model", "/nonexistent"], "build one with"),
         (["up", "--connector", "vllm-pull", "--model", "m", "--port", "70000"], "1-65535"),
         (["up", "--connector", "vllm-pull", "--model", "m", "--vllm-args", '"x'], "--vllm-args"),
+        (
+            ["up", "--connector", "kvpush-push", "--model", "m", "--kv-extra-config", "[1]"],
+            """--kv-extra-config: expected a JSON object like '{"lease_s": 60}'""",
+        ),
+        (
+            ["up", "--connector", "kvpush-push", "--model", "m", "--kv-extra-config", "lease"],
+            "--kv-extra-config: not JSON",
+        ),
         (["demo", "--rates", "0"], "--rates needs positive numbers"),
         (["demo", "--workdir", "/proc/kvpush", "--out", "/proc/kvpush/o"], "kvpush demo: cannot"),
         (["bench", "hooks", "--requests", "0"], "--requests: must be at least 1"),

@@ -125,6 +125,28 @@ def test_kvpush_setups_load_our_module_out_of_tree() -> None:
     assert transfer["kv_connector_extra_config"] == {"mode": "push"}
 
 
+def test_kv_extra_config_reaches_every_server_and_is_checked_before_any_starts(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    extra = {"lease_s": 60.0, "transfer_timeout_s": 10}
+    config = TopologyConfig(model=tmp_path, setup="kvpush-pull", kv_extra_config=extra)
+    for spec in build_specs(config, cores=[0, 1]):
+        transfer = json.loads(spec.argv[spec.argv.index("--kv-transfer-config") + 1])
+        assert transfer["kv_connector_extra_config"] == {"mode": "pull", **extra}
+    refused = [
+        ({"lease_s": 0}, "must be positive"),
+        ({"lease": 5}, "unknown kv_connector_extra_config keys"),
+        ({"mode": "push"}, "--connector kvpush-push or kvpush-pull chooses it"),
+        ({"port": 6000}, "own control ports from --kv-port"),
+    ]
+    for bad, complaint in refused:
+        with pytest.raises(ValueError, match=complaint):
+            TopologyConfig(model=tmp_path, setup="kvpush-push", kv_extra_config=bad)
+    # vLLM's connectors take their own settings, unchecked by kvpush
+    TopologyConfig(model=tmp_path, setup="vllm-pull", kv_extra_config={"kv_lease_duration": 60})
+
+
 def test_config_errors_name_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kvpush model tiny"):
         TopologyConfig(model=tmp_path, setup="vllm-pull")
