@@ -118,6 +118,9 @@ class _Finished:
     local: LocalBlocks
     deadline: float
     alive: bool = True
+    # renewals (decode's request still waits for blocks) end here: `max_wait_s` after
+    # the prefill finished, a lease later
+    until: float = math.inf
 
 
 @dataclass(eq=False, slots=True)
@@ -206,6 +209,7 @@ class RendezvousStats:
     writes_started: int = 0
     writes_failed: int = 0
     expired_leases: int = 0
+    renewed_leases: int = 0
     cancels: int = 0
     capped_registrations: int = 0  # refused: `max_waiting` registrations waited already
     dropped_tombstones: int = 0  # forgotten early: `max_tombstones` were remembered
@@ -333,7 +337,7 @@ class Rendezvous:
         if gone is not None:
             gone.kv_released = True
             return [ReleaseBlocks(local, gone.reason)]
-        finished = _Finished(local, now + self.lease_s)
+        finished = _Finished(local, now + self.lease_s, until=now + self.max_wait_s + self.lease_s)
         self._finished.add(finished, [transfer_id], [request_id])
         self._deadlines.add(finished)
         return []
@@ -346,6 +350,21 @@ class Rendezvous:
             return None
         self._finished.remove(finished)
         return finished.local
+
+    def renew(self, transfer_id: str, now: float) -> bool:
+        """Decode still wants this transfer's KV but has no blocks for it yet (its request
+        waits for room): a finished prefill waiting under exactly this id keeps its blocks
+        until `now + lease_s`, at most `max_wait_s` and a lease after it finished. False
+        when none waits (not finished yet, or gone)."""
+        finished = self._finished.exact(transfer_id)
+        if finished is None:
+            return False
+        self.stats.renewed_leases += 1
+        deadline = min(now + self.lease_s, finished.until)
+        if deadline > finished.deadline:  # one heap entry per deadline
+            finished.deadline = deadline
+            self._deadlines.add(finished)
+        return True
 
     def is_gone(self, transfer_id: str) -> bool:
         """Whether a tombstone remembers exactly this transfer id."""

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvpush.core.fanout import Fanout, leg_id, split_leg
 from kvpush.core.planning import PlanError, blocks_from, destinations
-from kvpush.core.protocol import Cancel, Registration, WriteDone, Writing
+from kvpush.core.protocol import Cancel, LeaseRenew, Registration, WriteDone, Writing
 from kvpush.core.rendezvous import (
     DropRegistration,
     LocalBlocks,
@@ -142,6 +142,10 @@ class PushWriter(PeerLoop[StartWrite]):
                 # no prefill will feed the fan: later registrations meet its tombstone
                 self._close_unfed(item.transfer_id)
                 self.act(self.rendezvous.abort_local(item.transfer_id, item.request_id, why, now))
+        elif isinstance(item, LeaseRenew):
+            # decode's request waits for its blocks: keep the finished prefill for it
+            for leg in self.fanout.legs(item.transfer_id):
+                self.rendezvous.renew(leg, now)
         elif isinstance(item, _Announced):
             self._announced(item, now)
         elif isinstance(item, PeerReady):

@@ -12,6 +12,11 @@ can write into them any more: push sends each prefill rank that may still write 
 and waits for its acknowledgement, for it to be unreachable, or for the fence deadline;
 pull cancels its own READs. Prefill ranks with transfers pending are watched: one whose
 control connection closed (it exited or restarted) fails them at once, not at the deadline.
+
+A request still waiting for decode's blocks (`HoldSpec`: decode's KV cache is full, or its
+queue long) has nothing to move yet, but prefill holds its finished KV only `lease_s`:
+decode renews it every half lease until the request has blocks, ends, or has waited
+`prefill_timeout_s`.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from kvpush.dataplane.transport import TransferError
 from kvpush.node.context import Context
 from kvpush.node.peers import Moving, PeerLoop, PeerReady, RemoteRank
 from kvpush.node.sampled import SAMPLED
-from kvpush.node.specs import AbortSpec, RecvSpec
+from kvpush.node.specs import AbortSpec, HoldSpec, RecvSpec
 
 log = logging.getLogger("kvpush.worker")
 
@@ -67,6 +72,23 @@ class _Expecting:
     connections: dict[int, int] = field(default_factory=dict)
     # push: the producer ranks a registration was handed to (only they can write)
     registered: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False, slots=True)
+class _Holding:
+    """A request from prefill that waits for decode's blocks; prefill's KV is renewed."""
+
+    spec: HoldSpec
+    until: float  # renewals stop here: `prefill_timeout_s` after it began to wait
+    deadline: float  # the next renewal
+    alive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class _HoldLost:
+    """Prefill answered a renewal of `holding`: it no longer holds the KV."""
+
+    holding: _Holding
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +154,9 @@ class Receiver(PeerLoop[_ForRank]):
         self._wait_s = config.transfer_timeout_s if self.pull else config.prefill_timeout_s
         self.expecting: dict[str, _Expecting] = {}
         self.renewals: Deadlines[_Expecting] = Deadlines()
+        # requests without blocks yet, whose prefill KV is renewed meanwhile
+        self.holding: dict[str, _Holding] = {}
+        self.hold_renewals: Deadlines[_Holding] = Deadlines()
         # push: transfers a prefill rank said it is writing (`Writing`), until they settle
         self.writing: set[str] = set()
         self._next_watch = 0.0
@@ -141,19 +166,25 @@ class Receiver(PeerLoop[_ForRank]):
             "decode_waiting_transfers": self.arrivals.pending - self.arrivals.fenced,
             "decode_fenced_transfers": self.arrivals.fenced,
             "decode_reads_in_flight": len(self.inflight),
+            "decode_requests_without_blocks": len(self.holding),
         }
 
     def next_deadline(self) -> float | None:
         watch = self._next_watch if self.expecting else None
-        due = [
-            d for d in (self.arrivals.next_deadline(), self.renewals.next(), watch) if d is not None
-        ]
-        return min(due, default=None)
+        due = (
+            self.arrivals.next_deadline(),
+            self.renewals.next(),
+            self.hold_renewals.next(),
+            watch,
+        )
+        return min((d for d in due if d is not None), default=None)
 
     def handle(self, item: object, at: float) -> None:
         now = time.monotonic()
         if isinstance(item, RecvSpec):
             self._expect(item, now)
+        elif isinstance(item, HoldSpec):
+            self._hold(item, now)
         elif isinstance(item, WriteDone):
             first = item.sampled
             if (
@@ -190,6 +221,8 @@ class Receiver(PeerLoop[_ForRank]):
                 self._producer_done(item.spec, item.rank, False, why, "lease_lost")
             elif item.confirms_read:
                 self._producer_done(item.spec, item.rank, True, "")
+        elif isinstance(item, _HoldLost):
+            self._unhold(item.holding.spec.transfer_id, item.holding)
         elif isinstance(item, _AskAgain) and self._current(item.spec):
             self.peers.submit(self._ask, item.spec, item.rank, item.client, item.msg)
 
@@ -199,6 +232,8 @@ class Receiver(PeerLoop[_ForRank]):
             self._read_ended(moving, error, now)
         for expecting in self.renewals.pop_due(now):
             self._renew(expecting, now)
+        for holding in self.hold_renewals.pop_due(now):
+            self._renew_hold(holding, now)
         self._outcomes(self.arrivals.expire(now))
         if now >= self._next_watch:
             self._next_watch = now + WATCH_S
@@ -207,6 +242,7 @@ class Receiver(PeerLoop[_ForRank]):
     # Both modes
 
     def _expect(self, spec: RecvSpec, now: float) -> None:
+        self._unhold(spec.transfer_id)
         producers = self._producers(spec.prefill_tp)
         deadline = now + self._wait_s
         self.arrivals.expect(spec.transfer_id, spec.generation, producers, deadline)
@@ -328,6 +364,7 @@ class Receiver(PeerLoop[_ForRank]):
     def _abort(self, item: AbortSpec, now: float) -> None:
         """The request ended while waiting for its KV. vLLM frees its blocks once we report
         it received, so that waits until no transfer can land in them any more."""
+        self._unhold(item.transfer_id)
         expecting = self.expecting.get(item.transfer_id)
         if expecting is None:
             if item.prefill_host:
@@ -336,7 +373,7 @@ class Receiver(PeerLoop[_ForRank]):
         if expecting.aborted:
             return
         expecting.aborted = True
-        why = "decode request ended (client gone or request aborted)"
+        why = "decode request ended (client gone or request aborted)"  # after its blocks
         self._outcomes(self.arrivals.fail(item.transfer_id, why, "aborted", now))
 
     def _abort_unallocated(self, item: AbortSpec) -> None:
@@ -351,6 +388,58 @@ class Receiver(PeerLoop[_ForRank]):
                 self.peers.submit(_request, self._client(host, port), done)
             else:
                 self.peers.notify(host, port, Cancel(item.transfer_id, _ALL_GENERATIONS, why))
+
+    def _hold(self, spec: HoldSpec, now: float) -> None:
+        """The request waits for blocks: renew prefill's KV for it every half lease."""
+        if spec.transfer_id in self.expecting:
+            return  # it has blocks already
+        self._unhold(spec.transfer_id)
+        config = self.ctx.config
+        holding = _Holding(spec, now + config.prefill_timeout_s, now + config.lease_s / 2)
+        self.holding[spec.transfer_id] = holding
+        self.hold_renewals.add(holding)
+
+    def _unhold(self, transfer_id: str, holding: _Holding | None = None) -> None:
+        """Stop renewing for `transfer_id` (only if it is still `holding`, when given)."""
+        current = self.holding.get(transfer_id)
+        if current is not None and (holding is None or current is holding):
+            current.alive = False
+            del self.holding[transfer_id]
+
+    def _renew_hold(self, holding: _Holding, now: float) -> None:
+        spec, config = holding.spec, self.ctx.config
+        if now >= holding.until:
+            self._unhold(spec.transfer_id, holding)
+            log.warning(
+                "request %s has waited %g s for decode's KV blocks (prefill_timeout_s): prefill "
+                "is no longer asked to keep its KV; decode's KV cache is too small for its load",
+                spec.request_id,
+                config.prefill_timeout_s,
+            )
+            return
+        renew = LeaseRenew(spec.transfer_id, 0)  # the generation its first blocks will have
+        for rank in (*self._producers(spec.prefill_tp), *self._unread(spec.prefill_tp)):
+            client = self._client(spec.prefill_host, spec.prefill_port + rank)
+            self.peers.submit(self._ask_hold, holding, client, renew)
+        holding.deadline = now + config.lease_s / 2
+        self.hold_renewals.add(holding)
+
+    def _ask_hold(self, holding: _Holding, client: ControlClient, renew: LeaseRenew) -> None:
+        """Pool thread: renew prefill's KV for a request without blocks; a prefill that no
+        longer holds it ends the renewals (the request fails once it has blocks)."""
+        try:
+            reply = client.request(renew)
+        except (ConnectionError, TimeoutError, OSError, ProtocolError) as exc:
+            log.warning("no answer from %s to a lease renewal: %s", client.address, exc)
+            return
+        if isinstance(reply, Cancel):
+            log.warning(
+                "request %s waits for decode's blocks, but prefill %s no longer holds its KV: %s",
+                holding.spec.request_id,
+                client.address,
+                reply.reason,
+            )
+            self.inbox.put((_HoldLost(holding), time.monotonic()))
 
     def _watch(self, now: float) -> None:
         """Fail transfers whose prefill rank closed the connection that carried them (a

@@ -37,6 +37,21 @@ class RecvSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class HoldSpec:
+    """Decode: a request whose KV comes from prefill is still waiting for decode's blocks
+    (decode's KV cache is full, or its queue is long). Until it has blocks (then its
+    `RecvSpec` follows) or ends (an `AbortSpec`), decode renews what prefill holds for it
+    every half `lease_s`, as a READ would, so a long wait here does not lose prefill's KV.
+    """
+
+    transfer_id: str
+    request_id: str
+    prefill_host: str
+    prefill_port: int
+    prefill_tp: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class SendSpec:
     """Prefill: a finished prefill whose blocks wait for decode (push: its registration,
     pull: its READ)."""

@@ -73,7 +73,7 @@ from kvpush.node.push import PushWriter
 from kvpush.node.receiver import Receiver
 from kvpush.node.results import HookTimer, Results
 from kvpush.node.sampled import PIN_TIMER
-from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
+from kvpush.node.specs import AbortSpec, HoldSpec, RecvSpec, SendSpec
 
 log = logging.getLogger("kvpush.worker")
 
@@ -243,6 +243,7 @@ class WorkerSide:
         writer = PushWriter(ctx)
         self._routes[Registration] = self._registration(writer)
         self._routes[Cancel] = self._cancel(writer)
+        self._routes[LeaseRenew] = _acknowledge(writer)
         return writer
 
     def _registration(self, part: PushWriter | LeaseKeeper) -> Route:
@@ -304,7 +305,10 @@ class WorkerSide:
             self.part.enqueue(ConnectionClosed(peer.conn_id, hello))
 
     def hand_off(
-        self, recv: Sequence[RecvSpec], send: Sequence[SendSpec], aborted: Sequence[AbortSpec]
+        self,
+        recv: Sequence[RecvSpec | HoldSpec],
+        send: Sequence[SendSpec],
+        aborted: Sequence[AbortSpec],
     ) -> None:
         """The engine loop's specs for this step, queued for the part (O(1) each); called
         as vLLM binds the step's metadata, before its forward."""
@@ -312,7 +316,10 @@ class WorkerSide:
             self.queue(recv, send, aborted)
 
     def queue(
-        self, recv: Sequence[RecvSpec], send: Sequence[SendSpec], aborted: Sequence[AbortSpec]
+        self,
+        recv: Sequence[RecvSpec | HoldSpec],
+        send: Sequence[SendSpec],
+        aborted: Sequence[AbortSpec],
     ) -> None:
         """`hand_off` untimed: the scheduler side's hooks call it directly when this node
         runs in their process (`in_process`), inside their own timed span."""
@@ -320,7 +327,8 @@ class WorkerSide:
         if part is None or not (recv or send or aborted):
             return
         now = time.monotonic()
-        # prefill takes finished prefills, decode its allocations; both take aborts but
+        # prefill takes finished prefills, decode its allocations (and the requests that
+        # wait for theirs); both take aborts but
         # a pull prefill, whose request that ended early granted no lease
         items = send if self.identity.role == "prefill" else recv
         direct = self.direct is not None  # a push prefill's: its items are SendSpecs
@@ -390,6 +398,17 @@ def _deliver(part: Receiver) -> Route:
     def route(msg: Message, peer: Peer) -> Message | None:
         part.enqueue(msg)
         return None
+
+    return route
+
+
+def _acknowledge(writer: PushWriter) -> Route:
+    """Push: decode renews a finished prefill its request waits to register for; the writer
+    applies it on its own thread, so the answer only says it arrived."""
+
+    def route(msg: LeaseRenew, peer: Peer) -> Message | None:
+        writer.enqueue(msg)
+        return msg
 
     return route
 

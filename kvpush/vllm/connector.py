@@ -174,6 +174,10 @@ class KvpushConnector(KVConnectorBase_V1):
 
     # -- scheduler side -------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

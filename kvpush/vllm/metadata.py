@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
+from kvpush.node.specs import AbortSpec, HoldSpec, RecvSpec, SendSpec
 
 
 @dataclass
 class KvpushMetadata(KVConnectorMetadata):
-    recv: list[RecvSpec] = field(default_factory=list)
+    recv: list[RecvSpec | HoldSpec] = field(default_factory=list)  # decode's
     send: list[SendSpec] = field(default_factory=list)
     aborted: list[AbortSpec] = field(default_factory=list)
 

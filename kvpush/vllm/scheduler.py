@@ -5,7 +5,9 @@ records a spec and returns. The specs reach the workers in the next step's metad
 where background threads do the talking. Both modes take the same decisions: decode
 records the blocks it allocated for remote KV, prefill keeps a finished prefill's blocks
 until its worker says they moved; in pull mode prefill also answers with the coordinates
-decode reads from.
+decode reads from. A decode request that waits for blocks past the step it arrived in
+(decode's KV cache is full, or its queue long) is handed to the workers too (`HoldSpec`),
+so that prefill keeps its KV for as long as it waits.
 
 Where vLLM runs the worker in this very process and thread (its in-process executor:
 one rank, the default at TP 1 on a GPU), the hooks hand each spec to the node at once
@@ -22,7 +24,7 @@ from kvpush.core.protocol import FIRST_TOKEN_OF_ARG, FIRST_TOKEN_PARAM, NO_TOKEN
 from kvpush.node.config import KvpushConfig
 from kvpush.node.direct import DirectSender
 from kvpush.node.results import HookTimer
-from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec
+from kvpush.node.specs import AbortSpec, HoldSpec, RecvSpec, SendSpec
 from kvpush.vllm.metadata import EMPTY_METADATA, KvpushMetadata
 
 if TYPE_CHECKING:
@@ -32,7 +34,9 @@ if TYPE_CHECKING:
 _DONE_MARK = "_kvpush_registered"
 
 # A node's untimed hand-off (`WorkerSide.queue`): recv, send and aborted specs.
-HandOff = Callable[[Sequence[RecvSpec], Sequence[SendSpec], Sequence[AbortSpec]], None]
+HandOff = Callable[
+    [Sequence[RecvSpec | HoldSpec], Sequence[SendSpec], Sequence[AbortSpec]], None
+]
 
 
 class SchedulerSide:
@@ -57,11 +61,14 @@ class SchedulerSide:
         # the hooks of every step keep their spans
         self._meta_span = self.timer("build_connector_meta")
         self._output_span = self.timer("update_connector_output")
-        self._recv: list[RecvSpec] = []
+        self._recv: list[RecvSpec | HoldSpec] = []
         self._send: list[SendSpec] = []
         self._aborted: list[AbortSpec] = []
         # Prefill: requests whose blocks we hold until the worker says the write is done.
         self._sending: dict[str, float] = {}
+        # Decode: requests from prefill that arrived this step and have no blocks yet; those
+        # still without at the step's end are held (`HoldSpec`).
+        self._arrived: dict[str, HoldSpec] = {}
         # Decode: requests waiting for their KV, with the generation of their registration.
         self._receiving: dict[str, str] = {}
         self._generations: dict[str, int] = {}
@@ -73,6 +80,22 @@ class SchedulerSide:
         if local is None and is_producer and config.mode == "push":
             ports = [self.port + rank for rank in range(tp_size)]
             self.direct = DirectSender.open(engine_id, config.host, ports)
+
+    def on_new_request(self, request: Request) -> None:
+        """Decode: a request whose KV comes from prefill arrived (vLLM's add_request)."""
+        if self.is_producer:
+            return
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or not params.get("remote_host"):
+            return
+        with self.timer("on_new_request"):
+            self._arrived[request.request_id] = HoldSpec(
+                str(params.get("transfer_id") or request.request_id),
+                request.request_id,
+                str(params["remote_host"]),
+                int(params.get("remote_port") or 0),
+                int(params.get("tp_size") or 1),
+            )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -113,6 +136,8 @@ class SchedulerSide:
             self._hand_over()
 
     def _allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self._arrived:
+            self._arrived.pop(request.request_id, None)  # allocated: nothing to hold
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or params.get(_DONE_MARK):
             return
@@ -168,6 +193,11 @@ class SchedulerSide:
             self._recv, self._send, self._aborted = [], [], []
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
+        if self._arrived:  # scheduled this step without blocks: prefill keeps its KV
+            with self.timer("hold"):
+                self._recv.extend(self._arrived.values())
+                self._arrived.clear()
+                self._hand_over()  # in this process: now, in order with what follows
         if not (self._recv or self._send or self._aborted):
             return EMPTY_METADATA  # most steps: nothing to ship, nothing allocated, untimed
         with self._meta_span:
@@ -190,6 +220,8 @@ class SchedulerSide:
         if not params:
             return False, None
         self._held.pop(request.request_id, None)
+        if self._arrived:
+            self._arrived.pop(request.request_id, None)
         transfer_id = str(params.get("transfer_id") or request.request_id)
         if request.request_id in self._receiving:
             # Decode ended (e.g. client gone) before its KV arrived: its worker stops

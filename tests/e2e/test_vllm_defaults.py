@@ -2,7 +2,9 @@
 
 One deployment per kvpush mode (`kvpush up`, as a user starts it) with prefix caching on
 (vLLM's default), prefill chunking prompts at 256 tokens (`--max-num-batched-tokens`), and
-a decode KV cache of 10 blocks (of 128 tokens) so that a burst preempts running requests.
+a decode KV cache of 10 blocks (of 128 tokens) so that a burst preempts running requests
+and keeps later ones waiting for blocks, longer than prefill's lease on their KV (2 s
+here, `lease_s`, for a test of seconds).
 Every answer must equal the reference's at temperature 0 (the long preempted ones: or be
 the reference's greedy choice token by token), and vLLM's own counters must show
 what moved: decode's prompt tokens by source (`local_cache_hit`, `external_kv_transfer`,
@@ -16,6 +18,7 @@ test; one server fewer to start than a plain vLLM server beside the two pairs.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +37,7 @@ SOURCES = "vllm:prompt_tokens_by_source_total"
 MODE_PORTS = {"kvpush-push": (BASE_PORT + 70, KV_PORT + 70),
               "kvpush-pull": (BASE_PORT + 80, KV_PORT + 80)}  # fmt: skip
 MAX_MODEL_LEN = 1024
+LEASE_S = 2.0  # prefill keeps a finished prefill's KV this long for decode unless renewed
 # float32: vLLM's CPU kernels give the same short answers alone or batched (bf16 rounds a
 # batched step differently and answers drift apart); long ones may still flip a near-tie
 MODEL = TinyModelSpec(heads=8, kv_heads=4, head_dim=64, dtype="float32")
@@ -41,6 +45,7 @@ ARGS = (
     "--max-model-len", str(MAX_MODEL_LEN),
     "--prefill-args", "--max-num-batched-tokens 256",
     "--decode-args", "--num-gpu-blocks-override 10",
+    "--kv-extra-config", json.dumps({"lease_s": LEASE_S}),
 )  # fmt: skip
 WORDS = ["water", "light", "mountain", "story", "river", "king", "fish", "sun", "tree", "stone"]
 
@@ -165,6 +170,52 @@ def test_a_full_decode_hit_moves_only_a_tail_too_long_to_compute(
     assert moved == expected, moved
     assert took < 10, f"a full hit waited {took:.1f} s (for a transfer that never comes?)"
     assert prefill_holds_nothing(d), "prefill freed the KV nobody will take"
+
+
+def waited_longer_than(url: str, seconds: float) -> float:
+    """How many requests vLLM kept waiting (queued, before it scheduled them) more than
+    `seconds`, from its queue-time histogram (`seconds` must be one of its bounds)."""
+    samples = scrape.scrape(url, only=("vllm:request_queue_time_seconds",))
+    count = scrape.total(samples, "vllm:request_queue_time_seconds_count")
+    within = scrape.total(samples, "vllm:request_queue_time_seconds_bucket", le=f"{seconds:g}")
+    return count - within
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_requests_waiting_for_decode_blocks_past_the_lease_still_get_prefill_kv(
+    defaults: Defaults, setup: str
+) -> None:
+    """Six long answers fill decode's 9 usable blocks (each grows to 8); four short requests
+    sent after them wait there for blocks, past prefill's 2 s lease on their KV. Decode
+    renews it while they wait, so they are answered, as the reference answers, with their
+    KV from prefill; none fails (before decode renewed, they failed with a 502)."""
+    d = defaults.deployments[setup]
+
+    def body(offset: int, max_tokens: int) -> dict[str, Any]:
+        return {**completion(defaults.model, "", max_tokens), "prompt": token_prompt(380, offset)}
+
+    fill = [body(500 + i, 600) for i in range(6)]
+    late = [body(510 + i, 8) for i in range(4)]
+    want = [defaults.expect("/v1/completions", b)["choices"][0]["text"] for b in late]
+    bound = 2.5  # the histogram's bound above LEASE_S
+    long_waits = waited_longer_than(d.decode, bound)
+    before = sources(d.decode)
+    with ThreadPoolExecutor(len(fill) + len(late)) as pool:
+        filling = [pool.submit(defaults.ask, d.proxy, "/v1/completions", b) for b in fill]
+        time.sleep(1.0)  # the long ones hold decode's blocks by now
+        waiting = [pool.submit(defaults.ask, d.proxy, "/v1/completions", b) for b in late]
+        got = [f.result()["choices"][0]["text"] for f in waiting]
+        assert all(len(f.result()["choices"][0]["text"]) > 0 for f in filling)
+    waited = waited_longer_than(d.decode, bound) - long_waits
+    assert waited > 0, "no request waited for decode's blocks past the lease: proves nothing"
+    assert got == want
+    moved = delta(before, sources(d.decode))
+    # each prompt's KV came from prefill when decode first scheduled it (a long answer
+    # preempted later is recomputed: local_compute)
+    assert moved["external_kv_transfer"] == (len(fill) + len(late)) * 380, moved
+    for side in (d.prefill, d.decode):
+        assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
+    print(f"\n{setup}: {waited:.0f} requests waited for decode's blocks over {bound} s; {moved}")
 
 
 def prefill_holds_nothing(d: Deployment, wait: float = 5.0) -> bool:

@@ -22,7 +22,7 @@ from kvpush.dataplane.control import ControlServer, Peer  # noqa: E402
 from kvpush.node.config import KvpushConfig  # noqa: E402
 from kvpush.node.context import Identity  # noqa: E402
 from kvpush.node.faults import Faults  # noqa: E402
-from kvpush.node.specs import AbortSpec, RecvSpec, SendSpec  # noqa: E402
+from kvpush.node.specs import AbortSpec, HoldSpec, RecvSpec, SendSpec  # noqa: E402
 from kvpush.node.worker import WorkerSide  # noqa: E402
 from tests.node_kv import KVMemory, free_port  # noqa: E402
 
@@ -45,7 +45,7 @@ def tokens(cache: KVMemory, blocks: tuple[int, ...], n: int) -> np.ndarray:
 class Step:
     """What one engine step's metadata brings the node."""
 
-    recv: list[RecvSpec] = field(default_factory=list)
+    recv: list[RecvSpec | HoldSpec] = field(default_factory=list)
     send: list[SendSpec] = field(default_factory=list)
     aborted: list[AbortSpec] = field(default_factory=list)
 
@@ -292,6 +292,57 @@ def test_pull_decode_renews_the_lease_while_it_waits(pair_factory: object) -> No
     pair.run_until(lambda: pair.prefill.sending)
     moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
     assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+
+
+def hold_spec(pair: Pair, transfer_id: str = "t1") -> HoldSpec:
+    return HoldSpec(transfer_id, "d1", "127.0.0.1", pair.prefill.worker.port, 1)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("held", [True, False], ids=["held", "not-held"])
+def test_a_request_waiting_for_decode_blocks_past_the_lease_keeps_prefill_kv(
+    pair_factory: object, mode: str, held: bool
+) -> None:
+    """Decode's KV cache is full: a request from prefill waits there for blocks, longer
+    than prefill's lease. Held (decode renews every half lease), its KV arrives whole once
+    it has blocks; not held (what kvpush did before), prefill frees it at the lease end
+    and the request fails (lease_lost in pull, no registration in time in push)."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(mode, mode, lease_s=0.6, transfer_timeout_s=10.0)
+    pair.prefill.step(Step(send=[send_spec()]))
+    pair.decode.step(Step(recv=[hold_spec(pair)] if held else []))
+    waited_until = time.monotonic() + 1.8  # three leases
+    pair.run_until(lambda: time.monotonic() > waited_until)
+    pair.decode.step(Step(recv=[pair.recv_spec()]))
+    if not held:
+        pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+        assert pair.decode.load_errors == {1, 9, 3}
+        return
+    arrived_whole(pair)
+    for side in (pair.decode, pair.prefill):
+        assert side.worker.stats_data()["failures"] == {}
+    gauges = pair.decode.worker.stats_data()["gauges"]
+    assert gauges["decode_requests_without_blocks"] == 0
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_request_that_ends_before_it_had_blocks_stops_its_renewals(
+    pair_factory: object, mode: str
+) -> None:
+    """Held, then ended (the client left) before decode had blocks: prefill frees its KV at
+    once, and decode stops renewing."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(mode, mode, lease_s=5.0)
+    receiver = pair.decode.worker.part
+    assert receiver is not None
+    pair.prefill.step(Step(send=[send_spec()]))
+    pair.decode.step(Step(recv=[hold_spec(pair)]))
+    pair.run_until(lambda: receiver.gauges()["decode_requests_without_blocks"] == 1)
+    abort = AbortSpec("t1", "d1", "127.0.0.1", pair.prefill.worker.port, 1)
+    pair.decode.step(Step(aborted=[abort]))
+    took = pair.run_until(lambda: pair.prefill.sending)
+    assert took < 2.0, "freed by decode's message, not at prefill's 5 s lease end"
+    assert receiver.gauges()["decode_requests_without_blocks"] == 0
 
 
 def test_pull_decode_abort_reports_the_request_and_frees_prefill(pair_factory: object) -> None:

@@ -184,6 +184,39 @@ def test_lease_expiry_releases_and_refuses_a_late_registration() -> None:
     assert rdv.stats.refused_registrations == 1
 
 
+def test_renewals_keep_a_finished_prefill_for_a_decode_waiting_for_blocks() -> None:
+    """Decode's request waits for blocks longer than the lease and renews it; its
+    registration, when it comes, still finds the KV."""
+    rdv = Rendezvous(lease_s=5.0, max_wait_s=100.0)
+    assert not rdv.renew("t1", 0.0), "nothing to renew before the prefill finished"
+    done(rdv)
+    for now in (2.5, 5.0, 7.5):
+        assert rdv.renew("t1", now)
+        assert rdv.expire(now + 2.4) == []
+    assert not rdv.renew("t2", 8.0), "only the exact transfer is renewed"
+    assert kinds(rdv.register(reg(), 12.0)) == ["StartWrite"]
+    assert rdv.stats.renewed_leases == 3 and rdv.stats.expired_leases == 0
+
+
+def test_renewals_end_max_wait_and_a_lease_after_the_prefill_finished() -> None:
+    """Nothing a peer sends holds prefill's KV forever: renewed without end, a finished
+    prefill is released `max_wait_s` and one lease after it finished, and a registration
+    after that is refused."""
+    rdv = Rendezvous(lease_s=5.0, max_wait_s=20.0)
+    done(rdv, now=1.0)
+    released: list[Action] = []
+    now = 1.0
+    while not released:
+        now += 2.5
+        rdv.renew("t1", now)
+        released = rdv.expire(now)
+    assert now == pytest.approx(26.0)
+    [release] = released
+    assert isinstance(release, ReleaseBlocks) and "lease" in release.reason
+    assert not rdv.renew("t1", now)
+    assert kinds(rdv.register(reg(), now)) == ["DropRegistration", "NotifyFailure"]
+
+
 def test_cancel_of_waiting_registration_releases_a_later_prefill_at_once() -> None:
     rdv = Rendezvous()
     rdv.register(reg(generation=2), 0.0)

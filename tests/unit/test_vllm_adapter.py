@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvpush.node.config import KvpushConfig
-from kvpush.node.specs import AbortSpec
+from kvpush.node.specs import AbortSpec, HoldSpec, RecvSpec
 from kvpush.vllm.scheduler import SchedulerSide
 
 
@@ -153,6 +153,44 @@ def test_decode_abort_before_arrival_is_forwarded() -> None:
     side.build_connector_meta(SimpleNamespace())
     assert side.request_finished(req, [3, 4]) == (False, None)  # type: ignore[arg-type]
     assert side.build_connector_meta(SimpleNamespace()).aborted == [AbortSpec("t1", "r")]
+
+
+def test_a_decode_request_without_blocks_at_the_step_end_is_held() -> None:
+    """Arrived and allocated in one step: only its blocks go to the workers. Arrived and
+    left waiting (decode's cache is full): a HoldSpec, once, then its blocks when it gets
+    them. Ended before it ever had blocks: no hold, prefill is told to free its KV."""
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
+    fast = FakeRequest("fast", list(range(4)), {**decode_params(), "transfer_id": "t-fast"})
+    slow = FakeRequest("slow", list(range(4)), {**decode_params(), "transfer_id": "t-slow"})
+    gone = FakeRequest("gone", list(range(4)), {**decode_params(), "transfer_id": "t-gone"})
+    for req in (fast, slow, gone):
+        side.on_new_request(req)  # type: ignore[arg-type]
+    side.get_num_new_matched_tokens(fast, 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(fast, FakeBlocks(), 4)  # type: ignore[arg-type]
+    assert side.request_finished(gone, []) == (False, None)  # type: ignore[arg-type]
+    meta = side.build_connector_meta(SimpleNamespace())
+    assert [type(s).__name__ for s in meta.recv] == ["RecvSpec", "HoldSpec"]
+    assert meta.recv[1] == HoldSpec("t-slow", "slow", "127.0.0.1", 5600, 1)
+    assert meta.aborted == [AbortSpec("t-gone", "gone", "127.0.0.1", 5600, 1)]
+    assert side.build_connector_meta(SimpleNamespace()).recv == [], "held once"
+    side.get_num_new_matched_tokens(slow, 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(slow, FakeBlocks(), 4)  # type: ignore[arg-type]
+    (spec,) = side.build_connector_meta(SimpleNamespace()).recv
+    assert isinstance(spec, RecvSpec) and spec.transfer_id == "t-slow"
+
+
+def test_only_decode_requests_from_a_prefill_are_held() -> None:
+    producer = SchedulerSide(KvpushConfig(), "prefill-0", is_producer=True)
+    consumer = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
+    pull_prefill = {"do_remote_decode": True, "do_remote_prefill": False}
+    requests = [
+        (producer, FakeRequest("p", [1], pull_prefill)),
+        (consumer, FakeRequest("plain", [1], None)),
+        (consumer, FakeRequest("nowhere", [1], {"do_remote_prefill": True})),
+    ]
+    for side, req in requests:
+        side.on_new_request(req)  # type: ignore[arg-type]
+        assert side.build_connector_meta(SimpleNamespace()).recv == []
 
 
 def test_prefill_holds_blocks_until_the_write_is_done() -> None:
