@@ -33,7 +33,8 @@ _ERROR_EVENT = b'data: {"error"'  # how vLLM's streams begin an error event
 def stream_error(chunk: bytes) -> tuple[bytes, int, str] | None:
     """Where `chunk` of a backend's event stream holds an error event: the bytes before
     it, the error's status code and its message. Text inside a token is JSON-escaped, so
-    it cannot start an event this way; an event split across chunks is not seen."""
+    it cannot start an event this way. An event split across chunks is seen once whole
+    (`error_start` holds its start back)."""
     at = chunk.find(_ERROR_EVENT)
     while at > 0 and chunk[at - 1 : at] != b"\n":
         at = chunk.find(_ERROR_EVENT, at + 1)
@@ -50,6 +51,17 @@ def stream_error(chunk: bytes) -> tuple[bytes, int, str] | None:
     except (ValueError, TypeError, AttributeError, KeyError):
         pass
     return chunk[:at], status, message
+
+
+def error_start(chunk: bytes) -> int:
+    """Where an error event that has not fully arrived may begin in `chunk`: its last line,
+    if that is the start of one (`len(chunk)` if not). vLLM writes each event whole, so
+    this holds nothing back from its streams; a split one is relayed once complete."""
+    start = chunk.rfind(b"\n") + 1
+    tail = chunk[start:]
+    if tail and (_ERROR_EVENT.startswith(tail) or tail.startswith(_ERROR_EVENT)):
+        return start
+    return len(chunk)
 
 
 class Relay:
@@ -140,12 +152,18 @@ class Relay:
         """Decode's streamed bytes as they come, its first byte timed, up to an error event
         (module doc), which fails the leg."""
         first = True
+        held = b""  # the start of what may be an error event, until the rest of it comes
         async for chunk in resp.content.iter_any():
             if self.chunk_log is not None:
                 self.chunk_log.append((time.monotonic(), len(chunk)))
+            if held:
+                chunk, held = held + chunk, b""
             failed = stream_error(chunk)
             if failed is not None:
                 chunk = failed[0]
+            else:
+                cut = error_start(chunk)
+                chunk, held = chunk[:cut], chunk[cut:]
             if chunk:
                 if first:
                     self._first_byte(backend, on_first_byte)
@@ -154,6 +172,14 @@ class Relay:
             if failed is not None:
                 _, status, message = failed
                 raise BackendFailure("decode", backend, status, f"failed mid-stream: {message}")
+        if held:  # the stream ended inside it
+            failed = stream_error(held)
+            if failed is not None:
+                _, status, message = failed
+                raise BackendFailure("decode", backend, status, f"failed mid-stream: {message}")
+            if first:
+                self._first_byte(backend, on_first_byte)
+            yield held
 
     async def _spliced(
         self,

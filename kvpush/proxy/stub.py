@@ -31,6 +31,8 @@ class StubBehaviour:
     tokens: tuple[str, ...] = ("Hello", " from", " stub")
     # streamed: after this many tokens, vLLM's in-band error event (its stream had begun)
     stream_error_after: int | None = None
+    # ... written in two pieces, a moment apart (the proxy must see it whole)
+    split_error_event: bool = False
 
 
 @dataclass(slots=True)
@@ -149,7 +151,12 @@ class StubBackend:
         if b.stream_error_after is not None:  # as vLLM tells a failure after its 200
             error = {"message": "Internal server error", "type": "InternalServerError",
                      "param": None, "code": 500}  # fmt: skip
-            await stream.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+            event = f"data: {json.dumps({'error': error})}\n\n".encode()
+            if b.split_error_event:
+                await stream.write(event[:10])
+                await asyncio.sleep(0.05)
+                event = event[10:]
+            await stream.write(event)
         await stream.write(b"data: [DONE]\n\n")
         await stream.write_eof()
         return stream

@@ -266,6 +266,28 @@ async def test_a_stream_that_fails_after_its_first_token_ends_with_the_cause(rig
     assert "failed mid-stream" in error["message"] and "transfer_timeout +1" in error["message"]
 
 
+async def test_an_error_event_split_across_chunks_still_ends_the_stream_with_the_cause(
+    rig: Rig,
+) -> None:
+    rig.decode.behaviour = StubBehaviour(stream_error_after=2, split_error_event=True)
+    rig.decode.metrics = FAILED_TRANSFER % rig.mode
+    resp = await rig.post({**BODY, "stream": True})
+    events = stream_events(await resp.text())  # every event whole
+    assert "".join(event_text(e) for e in events[:-1]) == "Hello from"
+    assert "failed mid-stream" in events[-1]["error"]["message"]
+
+
+def test_only_what_may_begin_an_error_event_is_held_back() -> None:
+    from kvpush.proxy.relay import error_start
+
+    token = b'data: {"choices": [{"text": "x"}]}\n\n'
+    assert error_start(token) == len(token)
+    for piece in (b"d", b"data: {", b'data: {"error"', b'data: {"error": {"mess'):
+        assert error_start(token + piece) == len(token), piece
+    assert error_start(token + b'data: {"choices"') == len(token) + 16
+    assert error_start(b'data: {"err') == 0
+
+
 def test_an_error_event_is_found_only_where_an_event_starts() -> None:
     from kvpush.proxy.relay import stream_error
 
