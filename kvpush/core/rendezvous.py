@@ -450,7 +450,9 @@ class Rendezvous:
             self.stats.writes_failed += 1
         reg, local = writing.reg, writing.local
         why = "written" if ok else f"KV write to {reg.engine_id} failed: {error}"
-        actions: list[Action] = [] if ok else [self._notify(reg, why)]
+        # a failed write still tells decode the first token (it may compute the prompt
+        # itself: vLLM's kv_load_failure_policy "recompute", and must continue from it)
+        actions: list[Action] = [] if ok else [self._notify(reg, why, local.sampled)]
         actions += [
             self._ack((host, port), reg.transfer_id, gen) for host, port, gen in writing.acks
         ]
@@ -619,9 +621,15 @@ class Rendezvous:
     def _refuse(self, reg: Registration, why: str) -> list[Action]:
         return [DropRegistration(reg, why), self._notify(reg, why)]
 
-    def _notify(self, reg: Registration, why: str) -> NotifyFailure:
+    def _notify(self, reg: Registration, why: str, sampled: int = NO_TOKEN) -> NotifyFailure:
         message = WriteDone(
-            reg.transfer_id, reg.generation, self.tp_rank, self.tp_size, False, why[:MAX_TEXT_LEN]
+            reg.transfer_id,
+            reg.generation,
+            self.tp_rank,
+            self.tp_size,
+            False,
+            why[:MAX_TEXT_LEN],
+            sampled,
         )
         return NotifyFailure(reg.host, reg.port, message)
 

@@ -187,12 +187,10 @@ class Receiver(PeerLoop[_ForRank]):
             self._hold(item, now)
         elif isinstance(item, WriteDone):
             first = item.sampled
-            if (
-                item.ok
-                and first != NO_TOKEN
-                and self.arrivals.is_waiting(item.transfer_id, item.generation)
-            ):
-                SAMPLED.put(item.transfer_id, first)  # before the transfer can count as arrived
+            if first != NO_TOKEN and self.arrivals.is_waiting(item.transfer_id, item.generation):
+                # before the transfer can count as arrived; from a failed WRITE too, for a
+                # decode that then computes the prompt itself (kv_load_failure_policy)
+                SAMPLED.put(item.transfer_id, first)
             self._outcomes(self.arrivals.on_write_done(item, now))
         elif isinstance(item, Writing):
             if self.arrivals.is_waiting(item.transfer_id, item.generation):

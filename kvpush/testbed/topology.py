@@ -81,6 +81,9 @@ class ConnectorSetup:
         return config
 
 
+# vLLM's answers to a failed KV load on decode: fail the request, or compute its prompt
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
 # kvpush settings a topology chooses itself, and who does
 MANAGED_SETTINGS = {
     "mode": "--connector kvpush-push or kvpush-pull chooses it",
@@ -353,6 +356,9 @@ class TopologyConfig:
     # Settings merged into every server's kv_connector_extra_config (kvpush's: its timeouts,
     # lease, thread policy...; checked at construction for kvpush's connector)
     kv_extra_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM's kv_load_failure_policy on every server ("fail" or "recompute"; "": vLLM's
+    # default, fail): what decode does with a request whose KV transfer failed
+    kv_load_failure_policy: str = ""
     workdir: Path = Path(".kvpush")
     # Time every connector hook on vLLM's main threads (see kvpush.bench.timed); each
     # server writes its totals under WORKDIR/hooks/<server>/.
@@ -397,6 +403,11 @@ class TopologyConfig:
             raise ValueError("--kv-cache-gib and --max-num-seqs must be positive")
         if self.kv_extra_config:
             self._check_kv_extra_config()
+        if self.kv_load_failure_policy not in ("", *LOAD_FAILURE_POLICIES):
+            raise ValueError(
+                f"kv_load_failure_policy is one of {', '.join(LOAD_FAILURE_POLICIES)}, "
+                f"not {self.kv_load_failure_policy!r}"
+            )
         if self.worker_alone:
             self._check_worker_alone()
 
@@ -543,6 +554,8 @@ def build_specs(
             if config.kv_extra_config:
                 extra = transfer.get("kv_connector_extra_config", {})
                 transfer["kv_connector_extra_config"] = {**extra, **config.kv_extra_config}
+            if config.kv_load_failure_policy:
+                transfer["kv_load_failure_policy"] = config.kv_load_failure_policy
             argv += ["--kv-transfer-config", json.dumps(transfer)]
         argv += parallel.vllm_args()
         argv += config.extra_vllm_args + config.role_vllm_args.get(role, [])

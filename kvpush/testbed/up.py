@@ -16,6 +16,7 @@ from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.testbed.hosts import Hosts, HostsError
 from kvpush.testbed.pinning import NO_PIN_HELP, check_confined, confined
 from kvpush.testbed.topology import (
+    LOAD_FAILURE_POLICIES,
     NULL,
     SETUPS,
     Parallel,
@@ -159,6 +160,14 @@ def register(subparsers: Any) -> None:
         "e.g. '{\"lease_s\": 60, \"transfer_timeout_s\": 10}' (kvpush's "
         "settings: the README's table); checked before any server starts",
     )
+    parser.add_argument(
+        "--kv-load-failure-policy",
+        choices=LOAD_FAILURE_POLICIES,
+        default="",
+        help="what decode does with a request whose KV transfer failed (vLLM's "
+        "kv_load_failure_policy): fail it (vLLM's default) or recompute its prompt itself, "
+        "a slower answer instead of an error; kvpush still counts the failure",
+    )
     parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
     parser.add_argument("--startup-timeout", type=positive(), default=600.0)
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
@@ -194,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             eager=args.eager,
             prefix_caching=args.prefix_caching,
             kv_extra_config=args.kv_extra_config,
+            kv_load_failure_policy=args.kv_load_failure_policy,
             extra_vllm_args=vllm_args(args.vllm_args),
             role_vllm_args={
                 role: vllm_args(getattr(args, f"{role}_args"), f"--{role}-args")

@@ -468,6 +468,23 @@ def test_push_nixl_error_fails_the_request_at_once(pair_factory: object) -> None
     assert pair.decode.load_errors == {1, 9, 3}, "no new load errors"
 
 
+def test_push_failed_write_still_brings_decode_prefills_first_token(pair_factory: object) -> None:
+    """For a decode that computes the prompt itself after the failure (vLLM's
+    kv_load_failure_policy "recompute"): its first step must still sample prefill's token,
+    which the client may already have."""
+    from kvpush.node.sampled import SAMPLED
+
+    assert callable(pair_factory)
+    pair: Pair = pair_factory("push", "push", faults="nixl_error", transfer_timeout_s=10.0)
+    transfer_id = "t9-fault-nixl_error"
+    spec = SendSpec(transfer_id, "p1", PREFILL_BLOCKS, NUM_TOKENS, sampled=421)
+    pair.prefill.step(Step(send=[spec]))
+    pair.decode.step(Step(recv=[pair.recv_spec(transfer_id=transfer_id)]))
+    pair.run_until(lambda: pair.decode.recving)
+    assert pair.decode.load_errors == {1, 9, 3}
+    assert SAMPLED.get(transfer_id) == 421
+
+
 def test_push_write_that_never_completes_is_cancelled_at_the_transfer_timeout(
     pair_factory: object,
 ) -> None:

@@ -101,6 +101,16 @@ def test_failed_write_releases_and_tells_decode() -> None:
     assert rdv.stats.writes_failed == 1
 
 
+def test_a_failed_write_still_tells_decode_prefills_first_token() -> None:
+    """Decode may compute the prompt itself after a failed transfer (vLLM's
+    kv_load_failure_policy "recompute"); its first token must still be prefill's."""
+    rdv = Rendezvous()
+    rdv.register(reg(), 0.0)
+    rdv.prefill_done("t1", "t1", BLOCKS, 40, 0.0, sampled=7)
+    notify = rdv.write_finished("t1", 0, False, "NIXL_ERR_BACKEND", 1.0)[1]
+    assert isinstance(notify, NotifyFailure) and notify.message.sampled == 7
+
+
 def test_fallback_matches_on_base_request_id() -> None:
     rdv = Rendezvous()
     rdv.prefill_done("p-chat-7", "chat-7-aaaaaaaa", BLOCKS, 40, 0.0)

@@ -147,6 +147,17 @@ def test_kv_extra_config_reaches_every_server_and_is_checked_before_any_starts(
     TopologyConfig(model=tmp_path, setup="vllm-pull", kv_extra_config={"kv_lease_duration": 60})
 
 
+def test_vllm_load_failure_policy_is_set_on_every_server_when_asked(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    for policy, want in (("", None), ("recompute", "recompute"), ("fail", "fail")):
+        config = TopologyConfig(model=tmp_path, setup="kvpush-push", kv_load_failure_policy=policy)
+        for spec in build_specs(config, cores=[0, 1]):
+            transfer = json.loads(spec.argv[spec.argv.index("--kv-transfer-config") + 1])
+            assert transfer.get("kv_load_failure_policy") == want
+    with pytest.raises(ValueError, match="fail, recompute"):
+        TopologyConfig(model=tmp_path, setup="kvpush-push", kv_load_failure_policy="retry")
+
+
 def test_config_errors_name_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kvpush model tiny"):
         TopologyConfig(model=tmp_path, setup="vllm-pull")
