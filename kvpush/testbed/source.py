@@ -33,12 +33,15 @@ def checkout() -> Path | None:
 
 def server_env() -> dict[str, str]:
     """The PYTHONPATH a server needs to import the kvpush this process runs ({} for an
-    installed wheel); an inherited PYTHONPATH stays behind it."""
+    installed wheel); an inherited PYTHONPATH stays behind it. PYTHONSAFEPATH keeps
+    `python -m` from putting the working directory first, where another checkout's
+    kvpush (a benchmark of an old commit started from the new one's root) would win."""
     root = checkout()
     if root is None:
         return {}
     inherited = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": os.pathsep.join(p for p in (str(root), inherited) if p)}
+    path = os.pathsep.join(p for p in (str(root), inherited) if p)
+    return {"PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
 
 
 def source_hash(package: Path = PACKAGE) -> str:

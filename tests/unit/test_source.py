@@ -62,10 +62,14 @@ def test_servers_import_the_checkout_this_process_runs(monkeypatch: Any, tmp_pat
     root = source.checkout()
     assert root is not None
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    assert source.server_env() == {"PYTHONPATH": str(root)}
+    assert source.server_env() == {"PYTHONPATH": str(root), "PYTHONSAFEPATH": "1"}
     monkeypatch.setenv("PYTHONPATH", "/opt/extra")
-    assert source.server_env() == {"PYTHONPATH": f"{root}{os.pathsep}/opt/extra"}
-    # A Python started elsewhere with that environment imports this very package.
+    extra = {"PYTHONPATH": f"{root}{os.pathsep}/opt/extra", "PYTHONSAFEPATH": "1"}
+    assert source.server_env() == extra
+    # A Python started elsewhere with that environment imports this very package, even
+    # from the root of another checkout (which `python -m` would otherwise put first).
+    (tmp_path / "kvpush").mkdir()
+    (tmp_path / "kvpush" / "__init__.py").write_text("")
     done = subprocess.run(
         [sys.executable, "-c", "import kvpush; print(kvpush.__file__)"],
         cwd=tmp_path,
