@@ -68,7 +68,7 @@ class SchedulerSide:
         self._sending: dict[str, float] = {}
         # Decode: requests from prefill that arrived this step and have no blocks yet; those
         # still without at the step's end are held (`HoldSpec`).
-        self._arrived: dict[str, HoldSpec] = {}
+        self._arrived: dict[str, Request] = {}
         # Decode: requests waiting for their KV, with the generation of their registration.
         self._receiving: dict[str, str] = {}
         self._generations: dict[str, int] = {}
@@ -86,16 +86,8 @@ class SchedulerSide:
         if self.is_producer:
             return
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or not params.get("remote_host"):
-            return
-        with self.timer("on_new_request"):
-            self._arrived[request.request_id] = HoldSpec(
-                str(params.get("transfer_id") or request.request_id),
-                request.request_id,
-                str(params["remote_host"]),
-                int(params.get("remote_port") or 0),
-                int(params.get("tp_size") or 1),
-            )
+        if params and params.get("do_remote_prefill") and params.get("remote_host"):
+            self._arrived[request.request_id] = request  # most get blocks in this step
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -195,7 +187,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
         if self._arrived:  # scheduled this step without blocks: prefill keeps its KV
             with self.timer("hold"):
-                self._recv.extend(self._arrived.values())
+                self._recv.extend(_held(request) for request in self._arrived.values())
                 self._arrived.clear()
                 self._hand_over()  # in this process: now, in order with what follows
         if not (self._recv or self._send or self._aborted):
@@ -296,6 +288,18 @@ class SchedulerSide:
         # Keep the engine stepping while prefill blocks wait for their write, so the
         # worker's completions are collected (and the blocks freed) promptly.
         return bool(self._sending or self._send or self._recv or self._aborted)
+
+
+def _held(request: Request) -> HoldSpec:
+    """What decode's workers need to keep prefill's KV for a request without blocks."""
+    params = request.kv_transfer_params or {}
+    return HoldSpec(
+        str(params.get("transfer_id") or request.request_id),
+        request.request_id,
+        str(params["remote_host"]),
+        int(params.get("remote_port") or 0),
+        int(params.get("tp_size") or 1),
+    )
 
 
 def _first_token_from_write(request: Request) -> bool:
