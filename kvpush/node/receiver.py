@@ -303,6 +303,11 @@ class Receiver(PeerLoop[_ForRank]):
         unread = planning.unread(prefill_tp, ident.tp_size, self.ctx.layout.total_heads)
         return [rank for rank in unread if rank % ident.tp_size == ident.tp_rank]
 
+    def _holders(self, prefill_tp: int) -> tuple[int, ...]:
+        """Every prefill rank that holds KV this rank speaks for: its producers and the
+        unread ranks it tells to free theirs."""
+        return (*self._producers(prefill_tp), *self._unread(prefill_tp))
+
     def _outcomes(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
             self.writing.discard(outcome.transfer_id)  # settled, or fenced (progressed)
@@ -371,7 +376,7 @@ class Receiver(PeerLoop[_ForRank]):
         if expecting.aborted:
             return
         expecting.aborted = True
-        why = "decode request ended (client gone or request aborted)"  # after its blocks
+        why = "decode request ended (client gone or request aborted)"
         self._outcomes(self.arrivals.fail(item.transfer_id, why, "aborted", now))
 
     def _abort_unallocated(self, item: AbortSpec) -> None:
@@ -379,7 +384,7 @@ class Receiver(PeerLoop[_ForRank]):
         hold KV for it - tell each producer rank to free it now."""
         ident = self.ctx.identity
         why = "decode request ended before it got blocks"
-        for rank in (*self._producers(item.prefill_tp), *self._unread(item.prefill_tp)):
+        for rank in self._holders(item.prefill_tp):
             host, port = item.prefill_host, item.prefill_port + rank
             if self.pull:  # prefill answers a ReadDone; the answer changes nothing here
                 done = ReadDone(item.transfer_id, 0, ident.tp_rank, ident.tp_size, False, why)
@@ -416,7 +421,7 @@ class Receiver(PeerLoop[_ForRank]):
             )
             return
         renew = LeaseRenew(spec.transfer_id, 0)  # the generation its first blocks will have
-        for rank in (*self._producers(spec.prefill_tp), *self._unread(spec.prefill_tp)):
+        for rank in self._holders(spec.prefill_tp):
             client = self._client(spec.prefill_host, spec.prefill_port + rank)
             self.peers.submit(self._ask_hold, holding, client, renew)
         holding.deadline = now + config.lease_s / 2
