@@ -1,11 +1,13 @@
 """`kvpush model tiny DIR`: build a small random-weight model, fully offline.
 
 The model is a Qwen2-architecture decoder (or, with --arch deepseek_v2, a DeepSeek-V2
-style one with multi-head latent attention, MLA) with random weights and a byte-level BPE
-tokenizer trained locally on a synthetic corpus. Its outputs are gibberish but
+style one with multi-head latent attention, MLA; or, with --arch llama, a Llama one, whose
+layers can alternate sliding-window and full attention with --sliding-window, as gpt-oss
+and Gemma 3 do) with random weights and a byte-level BPE tokenizer trained locally on a
+synthetic corpus. Its outputs are gibberish but
 deterministic at temperature 0, which is what equality tests need. The shape flags let a
 benchmark choose how many KV bytes each token carries:
-    qwen2:       kv_bytes_per_token = layers * 2 (K and V) * kv_heads * head_dim * dtype_bytes
+    qwen2, llama: kv_bytes_per_token = layers * 2 (K and V) * kv_heads * head_dim * dtype_bytes
     deepseek_v2: kv_bytes_per_token = layers * (512 latent + 64 rotary) * dtype_bytes
 (MLA's latent width is fixed at DeepSeek's 512 + 64, the only one vLLM's CPU kernel runs;
 --head-dim sets its per-head query/value width, and --kv-heads is not used.)
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-ARCHS = ("qwen2", "deepseek_v2")
+ARCHS = ("qwen2", "llama", "deepseek_v2")
 MLA_LATENT, MLA_ROPE = 512, 64
 
 # Words that make prompts such as "Tell me about the weather" tokenize into few tokens.
@@ -80,6 +82,7 @@ class TinyModelSpec:
     dtype: str = "bfloat16"
     seed: int = 0
     arch: str = "qwen2"
+    sliding_window: int = 0  # llama: every other layer, from the first, attends this far back
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "kv_heads", "head_dim", "intermediate_size"):
@@ -93,12 +96,26 @@ class TinyModelSpec:
             raise ValueError("--vocab-size must be at least 300 (256 bytes + merges + specials)")
         if self.arch not in ARCHS:
             raise ValueError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.sliding_window < 0:
+            raise ValueError("--sliding-window must be 0 (none) or a number of tokens")
+        if self.sliding_window and self.arch != "llama":
+            raise ValueError(
+                f"--sliding-window needs --arch llama (vLLM's {self.arch} runs every layer "
+                "with full attention)"
+            )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
     @property
     def hidden_size(self) -> int:
         return self.heads * self.head_dim
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Per layer, as Hugging Face configs say it: windowed layers alternate with full."""
+        if not self.sliding_window:
+            return ["full_attention"] * self.layers
+        return [("sliding_attention", "full_attention")[i % 2] for i in range(self.layers)]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -193,6 +210,16 @@ def build_tiny_model(out: Path, spec: TinyModelSpec) -> dict[str, Any]:
             first_k_dense_replace=spec.layers,
         )
         model_class = transformers.DeepseekV2ForCausalLM
+    elif spec.arch == "llama":
+        # not LlamaConfig's own fields: kept in config.json, where vLLM's Llama reads them
+        # per layer (the way gpt-oss and Gemma 3 interleave their windows)
+        windows: dict[str, Any] = {
+            "layer_types": spec.layer_types, "sliding_window": spec.sliding_window or None
+        }
+        config = transformers.LlamaConfig(
+            **common, **windows, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim
+        )
+        model_class = transformers.LlamaForCausalLM
     else:
         config = transformers.Qwen2Config(**common, num_key_value_heads=spec.kv_heads)
         model_class = transformers.Qwen2ForCausalLM

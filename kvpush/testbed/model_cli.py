@@ -17,6 +17,8 @@ examples:
   kvpush model tiny models/m --layers 8 --heads 8 --kv-heads 8 --head-dim 64
   kvpush model tiny models/gqa8 --heads 16 --kv-heads 8 --head-dim 128
   kvpush model tiny models/mla --arch deepseek_v2   # multi-head latent attention
+  kvpush model tiny models/swa --arch llama --layers 4 --sliding-window 32
+                                         # sliding-window layers between full ones
 """
 
 
@@ -31,7 +33,7 @@ def register(subparsers: Any) -> None:
     kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
     tiny = kinds.add_parser(
         "tiny",
-        help="a small random-weight Qwen2 model with a locally trained tokenizer",
+        help="a small random-weight model (Qwen2, Llama or DeepSeek-V2 style), offline",
         description=model.__doc__,
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -49,7 +51,16 @@ def register(subparsers: Any) -> None:
         "--arch",
         default=defaults.arch,
         choices=ARCHS,
-        help="qwen2 (grouped-query attention) or deepseek_v2 (MLA); default qwen2",
+        help="qwen2 (grouped-query attention), llama (the same, and it can have "
+        "sliding-window layers) or deepseek_v2 (MLA); default qwen2",
+    )
+    tiny.add_argument(
+        "--sliding-window",
+        type=at_least(0),
+        default=defaults.sliding_window,
+        metavar="TOKENS",
+        help="--arch llama: every other layer, from the first, attends only this many "
+        "tokens back, the others the whole context (default 0: every layer full)",
     )
     tiny.add_argument("--seed", type=int, default=defaults.seed)
     tiny.set_defaults(func=_run_tiny)
@@ -67,6 +78,7 @@ def _run_tiny(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             seed=args.seed,
             arch=args.arch,
+            sliding_window=args.sliding_window,
         )
     except ValueError as exc:
         print(f"kvpush model tiny: {exc}", file=sys.stderr)
@@ -83,6 +95,8 @@ def _run_tiny(args: argparse.Namespace) -> int:
         f"built {summary['path']}: {spec.arch}, {spec.layers} layers, "
         + ("MLA latent 512+64" if spec.arch == "deepseek_v2" else
            f"{spec.kv_heads} KV heads x {spec.head_dim} dims")  # fmt: skip
+        + (f", sliding window {spec.sliding_window} on every other layer"
+           if spec.sliding_window else "")  # fmt: skip
         + f", {spec.dtype}, vocab {summary['vocab']}, "
         f"{spec.kv_bytes_per_token} KV bytes/token"
     )

@@ -1,5 +1,6 @@
-"""Real model shapes end to end, both modes: MQA and 8 KV heads at head dim 128, and MLA
-(4 KV heads at 128 is the model every other e2e module runs, see conftest.py).
+"""Real model shapes end to end, both modes: MQA and 8 KV heads at head dim 128, MLA, and
+a model whose layers alternate sliding-window and full attention, as gpt-oss and Gemma 3
+do (4 KV heads at 128 is the model every other e2e module runs, see conftest.py).
 
 The testbed's default model has 2 KV heads of 32 dims, a shape under which a wrong
 reading of the KV layout can still look right. Here each shape gets its own tiny model,
@@ -54,6 +55,12 @@ SHAPES = {
     "mqa-1x128": TinyModelSpec(heads=4, kv_heads=1, head_dim=128),
     "gqa-8x128": TinyModelSpec(heads=16, kv_heads=8, head_dim=128),
     "mla": TinyModelSpec(heads=4, head_dim=32, arch="deepseek_v2"),
+    # vLLM turns its hybrid KV cache manager off for a connector without HMA support and
+    # keeps every token's KV in the windowed layers too: one cache group, whose windowed
+    # layers still attend only 32 tokens back (their answers differ from all-full ones)
+    "swa-hybrid": TinyModelSpec(
+        arch="llama", layers=4, heads=4, kv_heads=2, head_dim=64, sliding_window=32
+    ),
 }
 VLLM_REFERENCE = {"mla": "vllm-pull-nospin"}  # else one plain vLLM server
 # clear of the shared deployments (BASE_PORT) and the other modules' (+10, +20)

@@ -46,6 +46,22 @@ def test_tiny_model_is_deterministic_for_a_seed(tmp_path: Path) -> None:
     assert c["seed"] == 1
 
 
+def test_a_llama_with_a_sliding_window_alternates_windowed_and_full_layers(
+    tmp_path: Path,
+) -> None:
+    spec = TinyModelSpec(
+        arch="llama", layers=3, heads=2, kv_heads=1, head_dim=16, vocab_size=400,
+        sliding_window=24,
+    )  # fmt: skip
+    build_tiny_model(tmp_path, spec)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (config["sliding_window"], config["head_dim"]) == (24, 16)
+    plain = TinyModelSpec(arch="llama", layers=2)
+    assert plain.layer_types == ["full_attention"] * 2
+
+
 def test_ensure_tiny_model_reuses_a_matching_build(tmp_path: Path) -> None:
     spec = TinyModelSpec(layers=1, heads=2, kv_heads=1, head_dim=16, vocab_size=400)
     ensure_tiny_model(tmp_path, spec)
@@ -61,6 +77,8 @@ def test_ensure_tiny_model_reuses_a_matching_build(tmp_path: Path) -> None:
         ({"layers": 0}, "--layers must be at least 1"),
         ({"dtype": "int8"}, "--dtype must be one of"),
         ({"vocab_size": 10}, "--vocab-size"),
+        ({"sliding_window": 32}, "--sliding-window needs --arch llama"),
+        ({"arch": "llama", "sliding_window": -1}, "--sliding-window must be 0"),
     ],
 )
 def test_bad_model_shapes_are_refused(fields: dict[str, object], complaint: str) -> None:
