@@ -69,13 +69,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     # of its `with` blocks; SIGTERM (kill, timeout, a CI runner) must take that way too,
     # not end the process and leave the servers running. Tools with their own handling
     # (`up`, `proxy`) install theirs over this one.
+    # SIGINT likewise, however the command was started: a shell without job control (a
+    # script) starts a background command with SIGINT ignored, and Python keeps that, so
+    # `kill -INT` or Ctrl-C in the script's terminal did nothing and `kvpush up` kept its
+    # servers running.
     in_main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    before = (
+        (signal.signal(signal.SIGTERM, _interrupt),
+         signal.signal(signal.SIGINT, signal.default_int_handler))
+        if in_main_thread else None
+    )  # fmt: skip
     try:
         return _run(argv)
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, before)
+        if before is not None:
+            signal.signal(signal.SIGTERM, before[0])
+            signal.signal(signal.SIGINT, before[1])
 
 
 def _run(argv: Sequence[str] | None) -> int:

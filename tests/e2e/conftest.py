@@ -173,9 +173,9 @@ class Deployment:
             f"module were answered. {detail}"
         )
 
-    def stop(self) -> int:
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -199,6 +199,11 @@ def launch(
     `kv_ports`: how many control ports its workers take (one per TP rank and DP engine),
     `env`: variables added to the environment its servers inherit."""
     cmd = [
+        # as a script's `kvpush up ... &` starts: with SIGINT ignored (see `Deployment.stop`)
+        "/bin/sh",
+        "-c",
+        "trap '' INT; exec \"$@\"",
+        "sh",
         sys.executable,
         "-m",
         "kvpush.cli",

@@ -6,6 +6,7 @@ Each setup is started once (as a user would, through the CLI) and shared by the 
 from __future__ import annotations
 
 import random
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,7 +42,7 @@ def deployment(
     # `reference` first: the single server must be gone before the pair starts.
     deployment = deployment_factory(request.param)
     yield deployment
-    deployment.stop()  # before the next setup starts, even if -k skipped the SIGTERM test
+    deployment.stop()  # before the next setup starts, even if -k skipped the stop-signal test
 
 
 def external_tokens(d: Deployment) -> float:
@@ -196,14 +197,18 @@ def direct_handoffs(deployment: Deployment) -> float:
     return scrape.total(samples, "kvpush:handoffs_total", path="direct")
 
 
-def test_sigterm_stops_everything_and_frees_every_port(deployment: Deployment) -> None:
+def test_a_stop_signal_stops_everything_and_frees_every_port(deployment: Deployment) -> None:
+    """SIGTERM, or SIGINT (Ctrl-C) although `kvpush up` was started with it ignored, as a
+    script's background command is (`launch`)."""
     # vLLM's IPC sockets are in one directory per server, not loose in the temp dir...
     rpc = sorted(ipc.base_dir().glob(f"{ipc.PREFIX}{deployment.proc.pid}-*"))
     assert len(rpc) == 2, rpc
     for path in rpc:
         assert any(p.is_socket() for p in path.iterdir()), f"no vLLM socket in {path}"
-    assert deployment.stop() == 0, "\n".join(deployment.output[-30:])
+    sig = signal.SIGINT if deployment.setup in ("vllm-push", "kvpush-pull") else signal.SIGTERM
+    assert deployment.stop(sig) == 0, "\n".join(deployment.output[-30:])
     assert "all servers stopped" in deployment.output
+    assert ("stopping (Ctrl-C)" in deployment.output) == (sig == signal.SIGINT)
     assert ports_free(deployment.ports), f"ports still bound: {deployment.ports}"
     # ...and the stop removed them with the files libzmq leaves behind.
     assert not any(path.exists() for path in rpc), rpc
