@@ -20,7 +20,6 @@ import asyncio
 import json
 import math
 import random
-import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,6 +30,7 @@ from typing import Any
 from kvpush.args import at_least, cannot_write, port_number, positive
 from kvpush.bench.timed import read_ledgers, subtract_ledgers
 from kvpush.report import format_table
+from kvpush.testbed.logcause import FATAL_SIGNS, root_cause
 from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model, synthetic_corpus
 from kvpush.testbed.pinning import NO_PIN_HELP, confined
 from kvpush.testbed.topology import (
@@ -43,6 +43,7 @@ from kvpush.testbed.topology import (
     Topology,
     check_setups,
     hook_dir,
+    log_cause,
     resolve_setup,
     worker_alone_cores,
 )
@@ -312,51 +313,6 @@ def render_table(reports: Sequence[SetupReport], load: LoadSpec) -> str:
     return "\n".join(lines)
 
 
-_ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
-_FATAL = re.compile(r"Fatal Python error: (.+)$")
-_FRAME = re.compile(r'File "(?:.*/site-packages/)?([^"]+)", line (\d+) in (\S+)')
-_WORKER_DIED = re.compile(r"Worker proc \S+ died unexpectedly.*$")
-# what in a log says a server's engine is gone (`trouble`)
-_FATAL_SIGNS = ("Fatal Python error", "died unexpectedly", "EngineCore encountered a fatal")
-
-
-def root_cause(log: str) -> str:
-    """The line of a server log that most likely says why it died.
-
-    A process killed by a signal first: the testbed runs servers with Python's fault
-    handler, which names the signal and the crashing thread's stack (quoted: its innermost
-    frame outside torch), else vLLM's line saying its worker died. Then the first
-    exception message outside warnings (vLLM logs the root cause before the errors it
-    causes); else the last line mentioning an error (argparse's "error: ..."); else the
-    last line.
-    """
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    for i, line in enumerate(lines):
-        fatal = _FATAL.search(line)
-        if fatal is None:
-            continue
-        after = lines[i + 1 :]
-        start = next((j for j, x in enumerate(after) if x.startswith("Current thread")), 0)
-        frames = [m for x in after[start:] if (m := _FRAME.search(x))]
-        # the innermost frame outside torch's dispatch: the op that was called
-        frame = next((m for m in frames if not m.group(1).startswith("torch/")), None)
-        frame = frame or (frames[0] if frames else None)
-        where = f" in {frame.group(1)} line {frame.group(2)}, {frame.group(3)}" if frame else ""
-        return f"Fatal Python error: {fatal.group(1)}{where}"[:300]
-    for line in lines:
-        died = _WORKER_DIED.search(line)
-        if died:
-            return died.group(0)[:300]
-    for line in lines:
-        match = _ERROR_LINE.search(line)
-        if match and " WARNING " not in line:
-            return f"{match.group(1)}: {match.group(2)}"[:300]
-    for line in reversed(lines):
-        if "error" in line.lower():
-            return line[:300]
-    return lines[-1][:300] if lines else "(empty log)"
-
-
 def setups_to_run(requested: str | None, default: Sequence[str] = MAIN_SETUPS) -> list[str]:
     """The setups to run, in order; raises ValueError naming an unknown one."""
     names = [n.strip() for n in (requested or ",".join(default)).split(",") if n.strip()]
@@ -564,7 +520,7 @@ def trouble(topology: Topology) -> str | None:
             log = spec.log_path.read_text(errors="replace")
         except OSError:
             continue
-        if any(sign in log for sign in _FATAL_SIGNS):
+        if any(sign in log for sign in FATAL_SIGNS):
             return f"{spec.name}: {root_cause(log)} (log {spec.log_path})"
     return None
 
@@ -574,10 +530,7 @@ def _startup_failure(topology: Topology, exc: StartupError) -> str:
     for spec in topology.specs:
         proc = topology.procs.get(spec.name)
         if proc is not None and proc.poll() is not None:
-            try:
-                cause = root_cause(spec.log_path.read_text(errors="replace"))
-            except OSError:
-                cause = "(no log)"
+            cause = log_cause(spec.log_path)
             return f"{spec.name} exited with code {proc.returncode}: {cause} (log {spec.log_path})"
     return str(exc).splitlines()[0]
 

@@ -37,6 +37,7 @@ from kvpush.proxy.first_token import SOURCES as FIRST_TOKEN_SOURCES
 from kvpush.proxy.rewrite import Backend
 from kvpush.testbed import ipc, source
 from kvpush.testbed.hosts import UCX_ENV, Host
+from kvpush.testbed.logcause import root_cause
 from kvpush.testbed.pinning import (
     OWN_GROUP,
     CorePlan,
@@ -576,7 +577,7 @@ def build_specs(
             "KVPUSH_SECRET": config.secret,
             "PYTHONUNBUFFERED": "1",
             # a process killed by a signal (SIGILL, SIGSEGV) writes its Python stack to the
-            # log, which the benchmarks' failure reasons quote (bench.compare.root_cause)
+            # log, which the benchmarks' failure reasons quote (testbed.logcause.root_cause)
             "PYTHONFAULTHANDLER": "1",
             **(UCX_ENV if host else {}),
             **source.server_env(),  # the kvpush this process runs, wherever it starts
@@ -647,6 +648,14 @@ class StartupProgress:
 
 class StartupError(RuntimeError):
     """A server died or did not become healthy; the message carries its log tail."""
+
+
+def log_cause(path: Path) -> str:
+    """The line of a server's log that most likely says why it died (`root_cause`)."""
+    try:
+        return root_cause(path.read_text(errors="replace"))
+    except OSError:
+        return "(no log)"
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
@@ -832,8 +841,8 @@ class Topology:
             proc = self.procs.get(spec.name)
             if proc is not None and proc.poll() is not None:
                 raise StartupError(
-                    f"{spec.name} exited with code {proc.returncode}; last lines of "
-                    f"{spec.log_path}:\n{log_tail(spec.log_path)}"
+                    f"{spec.name} exited with code {proc.returncode}: {log_cause(spec.log_path)}"
+                    f"\nlast lines of {spec.log_path}:\n{log_tail(spec.log_path)}"
                 )
 
     def stop(self, grace: float = 10.0) -> None:

@@ -62,6 +62,7 @@ def kv_cache_facts(
         FullAttentionSpec,
         KVQuantMode,
         MLAAttentionSpec,
+        SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
     )
 
@@ -80,6 +81,14 @@ def kv_cache_facts(
         if len(specs) != 1:
             raise refuse("its layers have different KV cache shapes")
         (spec,) = specs
+    if isinstance(spec, SlidingWindowSpec):
+        raise refuse(
+            f"every layer of it attends through a {spec.sliding_window}-token sliding window "
+            "(SlidingWindowSpec), and vLLM frees the blocks below the window as a request "
+            "goes. Serve both sides with --disable-sliding-window to run it as full "
+            f"attention (vLLM then caps the context at {spec.sliding_window} tokens). Models "
+            "that mix windowed and full layers run as they are"
+        )
     if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
         raise refuse(f"its layers keep a {type(spec).__name__} cache")
     if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):

@@ -197,6 +197,29 @@ def test_root_cause_finds_the_first_exception_outside_warnings() -> None:
     assert root_cause("") == "(empty log)"
 
 
+def test_root_cause_puts_kvpush_s_own_explanation_before_the_worker_s_death() -> None:
+    # kvpush refuses a model in the worker's start; the worker dies of it, and vLLM says so
+    # first in the engine's lines, then fails the API server's start
+    why = "kvpush cannot transfer the KV cache of m: its layers keep a SlidingWindowSpec cache"
+    log = "\n".join(
+        [
+            "(APIServer pid=1) WARNING [x.py:1] kvpush.vllm.plugin.Thing: kvpush warns",
+            f"(Worker pid=2) ERROR [mp.py:9] kvpush.vllm.layout.UnsupportedKVCache: {why}. "
+            + "x" * 400,
+            "(EngineCore pid=1) ERROR [mp.py:3] Worker proc VllmWorker-0 died unexpectedly",
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+        ]
+    )
+    cause = root_cause(log)
+    assert cause.startswith(f"UnsupportedKVCache: {why}. x")
+    assert len(cause) > 300, "kvpush's messages are quoted whole"
+    # a plain exception with kvpush's own message too, but not someone else's
+    own = log.replace("kvpush.vllm.layout.UnsupportedKVCache", "ValueError")
+    assert root_cause(own).startswith(f"ValueError: {why}")
+    other = log.replace(f"kvpush.vllm.layout.UnsupportedKVCache: {why}", "ValueError: bad")
+    assert root_cause(other).startswith("Worker proc VllmWorker-0 died unexpectedly")
+
+
 def test_root_cause_names_the_signal_and_frame_that_killed_a_worker() -> None:
     # Python's fault handler (the testbed sets PYTHONFAULTHANDLER) names the signal, then
     # each thread's stack; the crashing one is "Current thread", most recent call first.

@@ -248,7 +248,9 @@ def test_what_kvpush_cannot_move_exactly_is_refused_at_start() -> None:
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
     )
     assert "2 KV cache groups" in refused([full, KVCacheGroupSpec(["b"], window)])
-    assert "SlidingWindowSpec" in refused([KVCacheGroupSpec(["b"], window)])
+    only_windows = refused([KVCacheGroupSpec(["b"], window)])
+    assert "128-token sliding window" in only_windows
+    assert "--disable-sliding-window" in only_windows
     per_token = FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.int8,
         kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD,

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from kvpush.testbed.model import TinyModelSpec, build_tiny_model, ensure_tiny_mo
 from kvpush.testbed.topology import (
     SETUPS,
     PairSettings,
+    StartupError,
     Topology,
     TopologyConfig,
     assign_cores,
@@ -84,6 +86,29 @@ def test_ensure_tiny_model_reuses_a_matching_build(tmp_path: Path) -> None:
 def test_bad_model_shapes_are_refused(fields: dict[str, object], complaint: str) -> None:
     with pytest.raises(ValueError, match=complaint):
         TinyModelSpec(**fields)  # type: ignore[arg-type]
+
+
+def test_a_server_that_exits_at_start_is_reported_with_the_cause_from_its_log(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    config = TopologyConfig(model=tmp_path, setup="kvpush-push", workdir=tmp_path / "w")
+    topology = Topology(config, cores=[0, 1])
+    prefill = topology.specs[0]
+    prefill.log_path.parent.mkdir(parents=True, exist_ok=True)
+    why = "kvpush cannot transfer the KV cache of m: its layers keep a SlidingWindowSpec cache"
+    prefill.log_path.write_text(
+        f"(Worker pid=2) ERROR [mp.py:9] kvpush.vllm.layout.UnsupportedKVCache: {why}\n"
+        "(EngineCore pid=1) ERROR [mp.py:3] Worker proc VllmWorker-0 died unexpectedly\n"
+        + "    raise RuntimeError(\n" * 30
+    )
+    topology.procs[prefill.name] = subprocess.Popen(["true"])
+    topology.procs[prefill.name].wait()
+    with pytest.raises(StartupError) as failed:
+        topology.check_alive()
+    first = str(failed.value).splitlines()[0]
+    assert first == f"prefill-0 exited with code 0: UnsupportedKVCache: {why}"
+    assert str(prefill.log_path) in str(failed.value)  # and the log's last lines after it
 
 
 def test_cores_are_split_between_phases() -> None:
