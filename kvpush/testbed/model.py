@@ -240,6 +240,38 @@ def build_tiny_model(out: Path, spec: TinyModelSpec) -> dict[str, Any]:
     return summary
 
 
+def build_tiny_lora(base: Path, out: Path, rank: int = 8, seed: int = 7) -> Path:
+    """A random LoRA adapter for the tiny model in `base` (Qwen2 or Llama), in PEFT's
+    format, which vLLM's `--lora-modules NAME=DIR` loads: rank `rank` on every layer's
+    q_proj and v_proj, large enough to change the answers."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((base / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    widths = {"q_proj": config["num_attention_heads"] * head_dim,
+              "v_proj": config["num_key_value_heads"] * head_dim}  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int) -> Any:
+        return (torch.randn(*shape, generator=generator) * 0.5).to(torch.bfloat16)
+
+    tensors = {}
+    for layer in range(layers):
+        for proj, width in widths.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = weight(rank, hidden)
+            tensors[f"{name}.lora_B.weight"] = weight(width, rank)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+               "lora_dropout": 0.0, "target_modules": sorted(widths), "bias": "none",
+               "base_model_name_or_path": str(base)}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
+    return out
+
+
 def ensure_tiny_model(out: Path, spec: TinyModelSpec) -> Path:
     """Build the model unless `out` already holds one with the same spec."""
     marker = out / "kvpush-model.json"

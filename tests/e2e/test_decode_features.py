@@ -1,6 +1,6 @@
 """What decode does on top of prefill's first token, both modes: it drafts tokens
-(speculative decoding) and it constrains them (structured outputs). Answers equal a
-single server's.
+(speculative decoding), it constrains them (structured outputs), and it runs LoRA
+adapters. Answers equal a single server's.
 
 kvpush touches the first decode step: decode's first token is prefill's (kvpush's logits
 processor forces it). Production decodes often speculate (MTP, EAGLE, n-gram), and the
@@ -11,8 +11,11 @@ it finds something to propose. On this random-weight model its drafts are reject
 step from the first verifies drafts over transferred KV and the answer is the single
 server's, not that accepted drafts are. Structured outputs (a choice, a regex, a JSON
 schema) run a grammar over every token, prefill's first included: decode's grammar must
-accept the token it did not choose, and go on from there. Both run on the same decode
-(drafting), as a production decode would.
+accept the token it did not choose, and go on from there. A LoRA adapter's KV is not
+the base model's for the same prompt: prefill computes it with the adapter, and decode
+must take it by transfer, not from its prefix cache's blocks of the base model's answer
+to the same prompt. All of it runs on the same servers (decode drafting, both serving
+the adapter), as a production decode would.
 
 The reference is push's prefill server asked directly with a cache salt of its own (as in
 test_model_shapes.py): one server, no drafting, no transfer.
@@ -29,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.testbed import scrape
+from kvpush.testbed.model import build_tiny_lora
 from tests.e2e.conftest import (
     BASE_PORT,
     KV_PORT,
@@ -49,6 +53,7 @@ PROMPTS = (
     "one two three four five six seven one two three four five six seven one two",
 )
 MAX_TOKENS = 120
+ADAPTER = "fish"  # the LoRA adapter's name on both servers
 # clear of the shared deployments (BASE_PORT); other modules have stopped theirs by now
 MODE_PORTS = {"kvpush-push": (BASE_PORT + 60, KV_PORT + 60),
               "kvpush-pull": (BASE_PORT + 70, KV_PORT + 70)}  # fmt: skip
@@ -59,10 +64,12 @@ def deployments(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Deployment]]:
     work = tmp_path_factory.mktemp("decode-features")
+    adapter = build_tiny_lora(tiny_model, work / "adapter")
+    both = f"--enable-lora --max-lora-rank 8 --lora-modules {ADAPTER}={adapter}"
     decode_args = f"--speculative-config '{json.dumps(DRAFTS)}'"
     started = {
-        setup: launch(setup, tiny_model, work / setup, "--decode-args", decode_args,
-                      port=port, kv_port=kv)  # fmt: skip
+        setup: launch(setup, tiny_model, work / setup, "--vllm-args", both,
+                      "--decode-args", decode_args, port=port, kv_port=kv)  # fmt: skip
         for setup, (port, kv) in MODE_PORTS.items()
     }
     try:
@@ -153,5 +160,33 @@ def test_structured_outputs_go_on_from_prefills_first_token(
     answer = post(deployment.proxy + path, request)
     assert answer["choices"][0]["message"]["content"] == want, (setup, constraint)
     assert chat_stream(deployment.proxy + path, request) == want, (setup, constraint)
+    for side in (deployment.prefill, deployment.decode):
+        assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
+
+
+def external_tokens(deployment: Deployment) -> float:
+    samples = scrape.scrape(deployment.decode)
+    return scrape.total(samples, "vllm:prompt_tokens_by_source_total",
+                        source="external_kv_transfer")  # fmt: skip
+
+
+@pytest.mark.parametrize("setup", sorted(MODE_PORTS))
+def test_a_lora_adapter_answers_as_a_single_server_with_its_own_kv(
+    deployments: dict[str, Deployment], tiny_model: Path, setup: str
+) -> None:
+    deployment = deployments[setup]
+    prompt = f"{setup}: " + PROMPTS[1]  # one prompt per mode: no prefill cache hit across
+    texts = {}
+    for model in (str(tiny_model), ADAPTER):  # the base model's first, then the adapter's
+        request = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        reference = post(deployment.prefill + "/v1/completions",
+                         {**request, "cache_salt": "reference"})  # fmt: skip
+        want = texts[model] = reference["choices"][0]["text"]
+        before = external_tokens(deployment)
+        answer = post(deployment.proxy + "/v1/completions", request)
+        assert answer["choices"][0]["text"] == want, (setup, model)
+        assert external_tokens(deployment) - before == answer["usage"]["prompt_tokens"], model
+        assert post_stream(deployment.proxy + "/v1/completions", request) == want, setup
+    assert texts[ADAPTER] != texts[str(tiny_model)], "the adapter changes nothing"
     for side in (deployment.prefill, deployment.decode):
         assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
