@@ -72,6 +72,26 @@ def refuse_sleep_mode(model_config: Any) -> None:
         )
 
 
+def refuse_split_requests(parallel: Any) -> None:
+    """kvpush moves a request's KV between one rank's whole cache and another's, split
+    only by heads (tensor parallelism). Pipeline parallelism gives each stage some of the
+    layers, prefill context parallelism each rank some of the prompt's tokens: no rank
+    has a request's whole KV for its heads. Refused at start, naming what works."""
+    for flag, size, what in (
+        ("--pipeline-parallel-size", getattr(parallel, "pipeline_parallel_size", 1),
+         "each pipeline stage holds only its own layers' KV"),
+        ("--prefill-context-parallel-size",
+         getattr(parallel, "prefill_context_parallel_size", 1),
+         "each rank holds only its share of a prompt's tokens"),
+    ):  # fmt: skip
+        if int(size or 1) > 1:
+            raise ValueError(
+                f"kvpush cannot serve with {flag} {size}: {what}, and kvpush moves each "
+                "rank's KV of a request whole; split the model with --tensor-parallel-size "
+                "instead, or serve more replicas behind the proxy"
+            )
+
+
 # get_transfer_results' answer in a step where nothing finished. vLLM only reads it (and
 # pickles it to the scheduler); frozen sets make a change anywhere fail loudly instead of
 # carrying into the next step.
@@ -106,6 +126,7 @@ class KvpushConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         refuse_sleep_mode(model)
         parallel = vllm_config.parallel_config
+        refuse_split_requests(parallel)
         # Refuse a KV cache kvpush cannot move exactly in both roles, so the scheduler
         # process fails at start with the reason, not a worker at its first transfer.
         self.facts = kv_cache_facts(

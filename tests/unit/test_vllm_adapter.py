@@ -335,3 +335,16 @@ def test_sleep_mode_is_refused_at_start_with_the_way_out() -> None:
     refuse_sleep_mode(SimpleNamespace(enable_sleep_mode=False))
     with pytest.raises(ValueError, match="without --enable-sleep-mode"):
         refuse_sleep_mode(SimpleNamespace(enable_sleep_mode=True))
+
+
+def test_pipeline_and_prefill_context_parallelism_are_refused_naming_tensor_parallelism() -> None:
+    from kvpush.vllm.connector import refuse_split_requests
+
+    plain = SimpleNamespace(pipeline_parallel_size=1, prefill_context_parallel_size=1)
+    refuse_split_requests(plain)
+    refuse_split_requests(SimpleNamespace())  # a vLLM without these settings
+    for size in ("pipeline_parallel_size", "prefill_context_parallel_size"):
+        flag = "--" + size.replace("_", "-") + " 2"
+        with pytest.raises(ValueError, match=flag) as refused:
+            refuse_split_requests(SimpleNamespace(**{**vars(plain), size: 2}))
+        assert "--tensor-parallel-size" in str(refused.value)
