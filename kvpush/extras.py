@@ -18,7 +18,7 @@ BASE = ("msgpack", "numpy")
 # Each extra's own modules; a module's name is its distribution's name, normalised.
 EXTRAS: dict[str, tuple[str, ...]] = {
     "proxy": ("aiohttp", "prometheus_client", "uvloop"),
-    "testbed": ("transformers", "tokenizers"),
+    "testbed": ("transformers", "tokenizers", "safetensors"),
     "bench": ("matplotlib", "psutil"),
 }
 # Used when present, so never asked for before a command runs.
