@@ -46,6 +46,24 @@ class Backends:
         """The backend of `role` for a leg of `units`, not one of `tried` (NoBackend if none)."""
         return self.pools[role].pick(units, time.monotonic(), tried)
 
+    def first_token_of(self, state: BackendState, source: str) -> None:
+        """Record whose first token decode `state` continues from ("pinned": prefill's,
+        "own": its own), saying so in the log when it is its own."""
+        if source == "own" and state.first_token != "own":
+            log.warning(
+                "decode %s samples its own first token (speculative decoding loads no "
+                "custom logits processor): streams take their first token from decode "
+                "while it serves",
+                state.url,
+            )
+        state.first_token = source
+
+    def prefill_may_give_first_token(self) -> bool:
+        """Whether a stream may take its first token from prefill: no decode says it
+        samples its own (a fleet is one kind of decode in practice; a mixed one gives up
+        the early token for all, not a wrong first token to some)."""
+        return all(state.first_token != "own" for state in self.pools["decode"])
+
     def flight(self, role: str, state: BackendState, units: float, tokens: int) -> Flight:
         """A leg on `state`, to run inside `async with`."""
         return Flight(self, role, state, units, tokens)

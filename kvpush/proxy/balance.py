@@ -126,6 +126,10 @@ class BackendState:
     passed_checks: int = 0
     # Legs still waiting for their first byte, oldest first: key -> (started, units).
     waiting: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # A decode's answer to "whose first token do you continue from?" (kvpush:info, read
+    # once it is healthy; or learned from a stream that did not): "pinned" (prefill's),
+    # "own" (it samples its own), None until known.
+    first_token: str | None = None
 
     @property
     def url(self) -> str:

@@ -13,8 +13,10 @@ decode has sent no content yet (in push both legs run at once; a chat stream's r
 may come from decode first); once decode's own content leads, the stream is decode's
 alone. Decode's events are parsed only until its first token's text is matched, then
 passed on as bytes. A decode whose first token's text is not prefill's (a decode without
-kvpush's logits processor: another kvpush version, or speculative decoding, which loads
-none) is counted as a mismatch and passed on unchanged. A first token without text (its
+kvpush's logits processor that did not say so: another kvpush version) is counted as a
+mismatch and passed on unchanged, and the proxy stops splicing (`Backends.first_token_of`);
+a decode that says it samples its own first token (speculative decoding loads no
+logits processor; `kvpush:info`) is never spliced. A first token without text (its
 bytes complete a character only with the next token's) goes out as an empty event, as a
 single server streams it, and decode's empty copy is dropped.
 """

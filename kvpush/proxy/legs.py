@@ -80,7 +80,10 @@ class Legs:
     async def run(self, job: Job, relay: Relay) -> None:
         """Both legs of `job`; raises NoBackend or BackendFailure when the client gets none."""
         if self.config.first_token == "prefill" and first_token.eligible(job.body):
-            relay.splice = Splice(chat="messages" in job.body)
+            if self.backends.prefill_may_give_first_token():
+                relay.splice = Splice(chat="messages" in job.body)
+            else:
+                relay.decodes_own_first_token = True
         if self.config.mode == "pull":
             await self._pull(job, relay)
         else:
@@ -238,6 +241,8 @@ class Legs:
                     await relay.forward(resp, backend, flight.answered)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise transport_failure("decode", backend, exc, self.config) from None
+        if relay.splice is not None and relay.splice.mismatch:
+            self.backends.first_token_of(state, "own")  # its later streams: decode's token
 
     async def handoff_cause(self, prefill: Backend, decode: Backend) -> str | None:
         """What the pair's /metrics say about a failed handoff: a mode mismatch, or which

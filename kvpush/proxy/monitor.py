@@ -2,7 +2,9 @@
 
 Every `health_interval` seconds each backend of both roles gets `GET /health` (answered
 within `health_timeout`, status 200, or it counts as failed); the pools decide ejection and
-return (`balance.Pool.checked`). Ejected backends keep being checked, which is how they come
+return (`balance.Pool.checked`). A healthy decode is asked once, on `/metrics`, whether it
+continues from prefill's first token (`kvpush:info`'s first_token; see
+`kvpush.proxy.first_token`). Ejected backends keep being checked, which is how they come
 back. With `scrape_interval` > 0 each backend's `/metrics` is read that often for vLLM's
 running/waiting queues and KV usage. With a fleet file, a change to it (by mtime) makes the
 pools the file's lists; a file that does not parse is logged and the pools are kept.
@@ -20,6 +22,7 @@ from kvpush.proxy.balance import parse_vllm_metrics
 from kvpush.proxy.client import BackendClient
 from kvpush.proxy.config import ProxyConfig
 from kvpush.proxy.fleet import read_fleet
+from kvpush.proxy.rewrite import decode_first_token
 
 log = logging.getLogger("kvpush.proxy")
 
@@ -69,6 +72,15 @@ class Monitor:
         )
         for (role, state), problem in zip(targets, problems, strict=True):
             self.backends.checked(role, state, problem)
+        unknown = [s for s in self.backends.pools["decode"] if s.healthy and s.first_token is None]
+        texts = await asyncio.gather(
+            *(self.client.metrics(state.url, self.health_timeout) for state in unknown)
+        )
+        for state, text in zip(unknown, texts, strict=True):
+            # asked once: one that does not say (an older kvpush, /metrics not served)
+            # continues from prefill's token as far as the proxy knows, until a stream
+            # shows otherwise (`Legs._decode`)
+            self.backends.first_token_of(state, (text and decode_first_token(text)) or "pinned")
 
     async def scrape(self) -> None:
         states = [state for pool in self.backends.pools.values() for state in pool]

@@ -83,6 +83,9 @@ class Relay:
         # (time.monotonic(), bytes) of each streamed chunk from decode, when being traced
         self.chunk_log = chunk_log
         self.splice: Splice | None = None  # set when the first token may come from prefill
+        # a stream that would have been spliced, but its decode samples its own first token:
+        # counted as decode's first token once it ends
+        self.decodes_own_first_token = False
         self._writing = asyncio.Lock()  # prefill's token and decode's bytes, in order
         self.from_decode = False  # some of decode's answer reached the client
 
@@ -144,6 +147,8 @@ class Relay:
         if self.response is None:
             await stream.prepare(self.request)
             self.response = stream
+        if self.decodes_own_first_token:
+            self.metrics.first_token.labels("decode").inc()
         await stream.write_eof()
 
     async def _chunks(
@@ -202,7 +207,8 @@ class Relay:
                 "decode %s did not produce prefill's first token, so this client got a "
                 "first token decode did not continue from; is decode running kvpush's "
                 "logits processor (kvpush installed in its environment, no speculative "
-                "decoding)? Else run the proxy with --first-token decode",
+                "decoding)? Streams take their first token from decode from now on; "
+                "--first-token decode says so from the start",
                 backend.url,
             )
         assert self.response is not None

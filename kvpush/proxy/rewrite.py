@@ -242,6 +242,20 @@ def kvpush_mode(metrics_text: str) -> str | None:
     return None
 
 
+_FIRST_TOKEN_LABEL = re.compile(r'\bfirst_token="([^"]*)"')
+
+
+def decode_first_token(metrics_text: str) -> str | None:
+    """How a kvpush decode says it starts its answers (`kvpush:info`'s first_token):
+    "pinned" (from prefill's first token), "own" (it samples its own: speculative
+    decoding), or None where it does not say (not kvpush, or a kvpush from before)."""
+    for labels in _KVPUSH_INFO.findall(metrics_text):
+        match = _FIRST_TOKEN_LABEL.search(labels)
+        if match and match.group(1) in ("pinned", "own"):
+            return match.group(1)
+    return None
+
+
 def mode_conflict(
     proxy_mode: str,
     prefill: Backend,

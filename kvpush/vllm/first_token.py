@@ -14,7 +14,8 @@ through `vllm_xargs` (SamplingParams.extra_args), which the proxy sets on decode
 vLLM loads this class in every server of an environment where kvpush is installed (the
 `vllm.logits_processors` entry point). For requests that do not ask, it does nothing: one
 dictionary check per engine step. vLLM's speculative decoding loads no custom logits
-processors; the proxy's mismatch counter then tells (use `--first-token decode` there).
+processors: such a decode says so on /metrics (`kvpush:info{first_token="own"}`,
+`kvpush.vllm.stats`), and the proxy then streams decode's own first token.
 
 Pinning means: every other token's logit becomes -inf and this one's 0, whatever earlier
 processors did, so any sampler (greedy, temperature, top-k/p, penalties, a grammar's mask

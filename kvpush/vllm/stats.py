@@ -157,11 +157,15 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         # Lets a router tell, from /metrics, which kvpush mode and role a server runs -
         # from start-up on, before any request (the proxy names mode mismatches with it) -
         # and an operator whether its control messages are authenticated (auth "off": the
-        # server runs with insecure: true).
+        # server runs with insecure: true). first_token, on decode: "pinned" where it
+        # continues from prefill's first token (kvpush's logits processor), "own" where it
+        # samples its own, as with speculative decoding, for which vLLM loads no custom
+        # logits processor; the proxy then takes a stream's first token from decode.
         info = gauge(
             name="kvpush:info",
-            documentation="kvpush connector identity (always 1): mode, role, auth on/off",
-            labelnames=[*labelnames, "mode", "role", "auth"],
+            documentation="kvpush connector identity (always 1): mode, role, auth on/off, "
+            "and whether decode continues from prefill's first token",
+            labelnames=[*labelnames, "mode", "role", "auth", "first_token"],
             multiprocess_mode="mostrecent",
         )
         transfer = self._kv_transfer_config
@@ -170,8 +174,12 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             config = KvpushConfig.from_extra(extra, require_secret=False)
             role = ROLES.get(str(transfer.kv_role), str(transfer.kv_role))
             auth = "on" if config.secret else "off"
+            first = "-"
+            if transfer.kv_role == "kv_consumer":
+                drafts = getattr(vllm_config, "speculative_config", None) is not None
+                first = "own" if drafts else "pinned"
             for labels in self.per_engine_labelvalues.values():
-                info.labels(*labels, config.mode, role, auth).set(1)
+                info.labels(*labels, config.mode, role, auth, first).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data

@@ -37,6 +37,7 @@ from tests.e2e.conftest import (
     BASE_PORT,
     KV_PORT,
     Deployment,
+    first_token_counts,
     launch,
     ports_free,
     post,
@@ -113,6 +114,27 @@ def test_a_drafting_decode_answers_as_a_single_server(
     for side in (deployment.prefill, deployment.decode):
         assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
     print(f"\n{setup}: {drafted:.0f} draft tokens, {accepted:.0f} accepted")
+
+
+@pytest.mark.parametrize("setup", sorted(MODE_PORTS))
+def test_a_drafting_decode_says_it_gives_its_own_first_token_and_streams_start_with_it(
+    deployments: dict[str, Deployment], tiny_model: Path, setup: str
+) -> None:
+    """vLLM loads no custom logits processor with speculative decoding, so a drafting
+    decode cannot continue from prefill's first token. It says so on /metrics, and the
+    proxy streams decode's own first token instead of prefill's (which, sampled, would
+    differ and leave the client a token the answer does not continue from)."""
+    deployment = deployments[setup]
+    decode = scrape.scrape(deployment.decode)
+    assert scrape.total(decode, "kvpush:info", first_token="own") == 1
+    assert scrape.total(scrape.scrape(deployment.prefill), "kvpush:info", first_token="-") == 1
+    before = first_token_counts(deployment.proxy)
+    sampled = {**body(tiny_model, PROMPTS[0]), "temperature": 1.0, "max_tokens": 8}
+    for seed in range(4):
+        assert post_stream(deployment.proxy + "/v1/completions", {**sampled, "seed": seed})
+    after = first_token_counts(deployment.proxy)
+    grown = {source: after[source] - before[source] for source in after}
+    assert grown == {"prefill": 0, "decode": 4, "mismatch": 0}, grown
 
 
 MESSAGES = [{"role": "user", "content": "Give me a JSON object about a fish"}]

@@ -110,7 +110,10 @@ def test_kvpush_info_says_whether_control_messages_are_authenticated(
     transfer = SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_producer")
     KvpushPromMetrics(SimpleNamespace(kv_transfer_config=transfer), types, ["engine"], {0: ["0"]})
     text = prometheus_client.generate_latest(registry).decode()
-    assert f'kvpush:info{{auth="{auth}",engine="0",mode="push",role="prefill"}} 1.0' in text
+    assert (
+        f'kvpush:info{{auth="{auth}",engine="0",first_token="-",mode="push",role="prefill"}} 1.0'
+        in text
+    )
 
 
 def test_every_testbed_deployment_gets_its_own_secret_on_all_its_servers(

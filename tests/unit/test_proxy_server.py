@@ -367,13 +367,41 @@ async def test_when_decode_answers_first_the_stream_is_decodes_alone() -> None:
         assert [float(line.split()[-1]) for line in counts] == [1.0], "one TTFT per request"
 
 
-async def test_a_decode_that_does_not_reproduce_the_token_is_counted(rig: Rig) -> None:
+async def test_a_decode_that_does_not_reproduce_the_token_is_counted_then_gives_its_own(
+    rig: Rig,
+) -> None:
     rig.decode.behaviour = StubBehaviour(first_gap=0.3, tokens=("Howdy", " there"))
     resp = await rig.post({**BODY, "stream": True})
     text = "".join(event_text(e) for e in stream_events(await resp.text()))
     assert text == "HelloHowdy there"  # nothing of decode's is lost
     metrics = await (await rig.session.get(rig.url + "/metrics")).text()
     assert 'kvpush_proxy_first_token_total{source="mismatch"} 1.0' in metrics
+    # learned: that decode's streams now start with its own token, not pinned to another
+    resp = await rig.post({**BODY, "stream": True})
+    assert "".join(event_text(e) for e in stream_events(await resp.text())) == "Howdy there"
+    assert "vllm_xargs" not in rig.decode.received[-1][1]
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert 'kvpush_proxy_first_token_total{source="decode"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_a_decode_that_says_it_samples_its_own_first_token_gives_it(mode: str) -> None:
+    """A drafting decode (speculative decoding: vLLM loads no custom logits processor)
+    says so on /metrics; the proxy asks once it is healthy, and streams its token only."""
+    async for rig in make_rig(mode, health_interval=0.1):
+        labels = f'auth="on",engine="0",first_token="own",mode="{mode}",role="decode"'
+        rig.decode.metrics = "kvpush:info{" + labels + "} 1.0\n"
+        rig.decode.behaviour = StubBehaviour(first_gap=0.3, tokens=("Howdy", " there"))
+        await asyncio.sleep(0.5)  # a few health checks
+        resp = await rig.post({**BODY, "stream": True})
+        events = stream_events(await resp.text())
+        assert "".join(event_text(e) for e in events) == "Howdy there"
+        assert {e["id"] for e in events} == {"d"}
+        assert "vllm_xargs" not in rig.decode.received[-1][1]
+        metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+        assert 'kvpush_proxy_first_token_total{source="decode"} 1.0' in metrics
+        assert 'kvpush_proxy_first_token_total{source="mismatch"}' not in metrics
+        assert 'kvpush_proxy_first_token_total{source="prefill"}' not in metrics
 
 
 def test_the_first_token_counts_are_read_by_source() -> None:

@@ -170,3 +170,14 @@ def test_kvpush_failures_are_read_by_kind_and_growth_is_named() -> None:
     later = {"peer_gone": 4.0, "transfer_timeout": 2.0}
     assert rewrite.failure_growth(counts, later) == "transfer_timeout +2"
     assert rewrite.failure_growth(later, later) == ""
+
+
+def test_a_decode_says_whether_it_continues_from_prefills_first_token() -> None:
+    from kvpush.proxy.rewrite import decode_first_token
+
+    line = 'kvpush:info{auth="on",engine="0",first_token="%s",mode="push",role="decode"} 1.0\n'
+    assert decode_first_token("# HELP x\n" + line % "own") == "own"
+    assert decode_first_token(line % "pinned") == "pinned"
+    assert decode_first_token(line % "-") is None  # a prefill's line
+    assert decode_first_token(INFO % ("push", "decode")) is None  # a kvpush from before
+    assert decode_first_token("vllm:num_requests_running 1.0\n") is None
