@@ -286,7 +286,7 @@ class Pool:
             if not state.healthy and state.passed_checks >= self.rules.healthy_after:
                 state.healthy, state.reason = True, ""
                 # It may have restarted: what was learned about it no longer holds.
-                state.estimate, state.reported = None, None
+                state.estimate, state.reported, state.first_token = None, None, None
                 return Change.RETURNED
             return None
         state.passed_checks = 0

@@ -130,6 +130,7 @@ def test_ejected_after_consecutive_failed_checks_and_back_after_passing_ones() -
     p = pool(A, B, unhealthy_after=2, healthy_after=2)
     a, _ = p.states
     learn(p, A, 0.1)
+    a.first_token = "own"  # what it said of its first tokens, asked again once back
     assert p.checked(a, False, "HTTP 503") is None
     assert p.checked(a, True) is None  # a pass resets the count
     assert p.checked(a, False, "HTTP 503") is None
@@ -140,6 +141,7 @@ def test_ejected_after_consecutive_failed_checks_and_back_after_passing_ones() -
     assert p.checked(a, True) is None
     assert p.checked(a, True) is Change.RETURNED
     assert a.healthy and a.ejections == 1 and a.estimate is None  # relearned from scratch
+    assert a.first_token is None
 
 
 def test_when_no_backend_can_take_a_leg_the_error_says_why_for_each() -> None:
