@@ -212,8 +212,9 @@ def register(subparsers: Any) -> None:
         help="where a streamed answer's first token comes from. prefill (default): sent the "
         "moment prefill answers, decode then made to continue from that very token (kvpush's "
         "logits processor, loaded by vLLM wherever kvpush is installed); decode: wait for "
-        "the handoff and decode's first step, as vLLM's own proxies do. Use decode with "
-        "decode servers that run speculative decoding or no kvpush",
+        "the handoff and decode's first step, as vLLM's own proxies do. A decode with "
+        "speculative decoding (no logits processor there) says so on /metrics and gets "
+        "decode's first token either way; use decode with decode servers without kvpush",
     )
     parser.add_argument(
         "--max-body-mb",

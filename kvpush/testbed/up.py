@@ -357,10 +357,13 @@ async def _serve(topology: Topology, args: argparse.Namespace) -> int:
     proxy = runner.app[PROXY_KEY]
     mode = proxy.config.mode
     url = local_url(args.port)
-    print(f"  a streamed answer's first token comes from {proxy.config.first_token}", flush=True)
     for i in range(args.warmup):
         error = await warm_up(url, str(topology.config.model))
         print(f"  warm-up {i + 1}/{args.warmup}: {error or 'ok'}", flush=True)
+    source = proxy.config.first_token
+    if source == "prefill" and not proxy.backends.prefill_may_give_first_token():
+        source = "decode (its decode samples its own: speculative decoding)"
+    print(f"  a streamed answer's first token comes from {source}", flush=True)
     print(f"proxy ({mode}) ready: {url}", flush=True)
     print(
         f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' "
