@@ -40,12 +40,18 @@ class ArrivalFailed:
 @dataclass(frozen=True, slots=True)
 class Released:
     """After `ArrivalFailed`: no producer rank can write into the blocks any more (each
-    answered or is gone), or, `by_time`, the fence deadline passed without an answer."""
+    answered or is gone), or, `by_time`, the fence deadline passed without an answer.
+
+    `unsure`: a rank did not end with its KV written (its WRITE failed or was given up, it
+    is gone, or it stayed silent). Where a WRITE of it was under way, bytes its kernel
+    still held may land later over TCP: the caller cuts those connections first
+    (`kvpush.dataplane.sockets`)."""
 
     transfer_id: str
     generation: int
     reason: str
     by_time: bool
+    unsure: bool = False
 
 
 Outcome = Arrived | ArrivalFailed | Released
@@ -59,6 +65,7 @@ class _Expected:
     deadline: float  # of the transfer; once failed, of the fence
     arrived: set[int] = field(default_factory=set)
     settled: set[int] = field(default_factory=set)  # ranks that will not write any more
+    unsure: set[int] = field(default_factory=set)  # settled without their KV written
     failed: ArrivalFailed | None = None
     alive: bool = True
 
@@ -178,11 +185,13 @@ class Arrivals:
         if expected is None or not self._known(expected, rank):
             return []
         if expected.failed is not None:
-            return self._settle(expected, rank)
+            return self._settle(expected, rank, sure=ok)
         if rank in expected.arrived:
             self.stats.duplicates += 1
             return []
         expected.settled.add(rank)
+        if not ok:
+            expected.unsure.add(rank)
         if now > expected.deadline:
             return self._fail(expected, self._late(expected), "transfer_timeout", now)
         if not ok:
@@ -208,15 +217,20 @@ class Arrivals:
             return []
         return self._fail(expected, reason, kind, now)
 
-    def settle(self, transfer_id: str, generation: int, rank: int) -> list[Outcome]:
-        """Producer rank `rank` cannot write this transfer any more (e.g. it is gone)."""
+    def settle(
+        self, transfer_id: str, generation: int, rank: int, sure: bool = True
+    ) -> list[Outcome]:
+        """Producer rank `rank` cannot write this transfer any more: it was never asked to
+        (`sure`), or it is gone (not `sure`: a WRITE it posted may still be on its way)."""
         expected = self._current(transfer_id, generation, exact=False)
         if expected is None or not self._known(expected, rank):
             return []
         if expected.failed is None:
             expected.settled.add(rank)
+            if not sure:
+                expected.unsure.add(rank)
             return []
-        return self._settle(expected, rank)
+        return self._settle(expected, rank, sure)
 
     def expire(self, now: float) -> list[Outcome]:
         outcomes: list[Outcome] = []
@@ -235,7 +249,7 @@ class Arrivals:
                 self._end(expected)
                 failed = expected.failed
                 outcomes.append(
-                    Released(failed.transfer_id, failed.generation, failed.reason, True)
+                    Released(failed.transfer_id, failed.generation, failed.reason, True, True)
                 )
         return outcomes
 
@@ -269,19 +283,25 @@ class Arrivals:
         expected.failed = failed
         if not unsettled:
             self._end(expected)
-            return [failed, Released(failed.transfer_id, failed.generation, reason, False)]
+            released = Released(
+                failed.transfer_id, failed.generation, reason, False, bool(expected.unsure)
+            )
+            return [failed, released]
         expected.deadline = max(now, expected.deadline) + self.fence_s
         self._deadlines.add(expected)
         return [failed]
 
-    def _settle(self, expected: _Expected, rank: int) -> list[Outcome]:
+    def _settle(self, expected: _Expected, rank: int, sure: bool) -> list[Outcome]:
         expected.settled.add(rank)
+        if not sure:
+            expected.unsure.add(rank)
         if len(expected.settled) < len(expected.producers):
             return []
         self._end(expected)
         failed = expected.failed
         assert failed is not None
-        return [Released(failed.transfer_id, failed.generation, failed.reason, False)]
+        unsure = bool(expected.unsure)
+        return [Released(failed.transfer_id, failed.generation, failed.reason, False, unsure)]
 
     def _end(self, expected: _Expected) -> None:
         expected.alive = False

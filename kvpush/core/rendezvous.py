@@ -69,11 +69,13 @@ class LocalBlocks:
 
 @dataclass(frozen=True, slots=True)
 class StartWrite:
-    """Write `local` into the registration's blocks, unless `deadline` has passed."""
+    """Write `local` into the registration's blocks, unless `deadline` has passed.
+    `again`: the writer posts it a second time (its peer's connection had been cut)."""
 
     registration: Registration
     local: LocalBlocks
     deadline: float = math.inf
+    again: bool = False
 
 
 @dataclass(frozen=True, slots=True)

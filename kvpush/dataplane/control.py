@@ -750,6 +750,8 @@ class ControlClient:
         self._lock = threading.Lock()
         # Counts the connections made, so a caller can tell which one a frame went out on.
         self.connection = 0
+        # The address the last connection reached (`host` resolved), "" before the first.
+        self.peer_ip = ""
 
     @property
     def address(self) -> str:
@@ -916,6 +918,7 @@ class ControlClient:
                     f"cannot reach the kvpush control channel at {self.address}: {exc}; {hint}"
                 ) from exc
             try:
+                self.peer_ip = str(sock.getpeername()[0])
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self.tls is not None:
                     sock = self.tls.wrap_socket(sock)

@@ -21,7 +21,11 @@ and nothing progresses NIXL in the background; instead:
   move, so a node progresses its agent (`get_notifs`) while it may be the target of a
   transfer, and only then (`kvpush.node.progress`);
 - notifications attached to a transfer are only seen when the target calls `get_notifs`
-  (kvpush attaches none: completions travel on the control channel).
+  (kvpush attaches none: completions travel on the control channel);
+- over TCP, releasing a transfer that has not completed does not recall it: what a
+  WRITE's writer already handed its kernel, or a READ's whole answer, lands when the link
+  lets it. A target that reuses the memory a WRITE named first cuts the connection
+  (`cut_connections_from`, `kvpush.dataplane.sockets`).
 
 The agent is created with NIXL's strict thread synchronisation, so one transport may be
 used from several threads (a handshake thread adding peers, a writer thread posting).
@@ -37,12 +41,14 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import numpy as np
+
+from kvpush.dataplane import sockets
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +240,10 @@ class NixlTransport:
             raise _error(exc, f"creating NIXL agent {name!r}") from exc
         self.name = name
         self.backend = backend
+        before = sockets.listening_ports()
         self.error_handling = self._create_backend(backend)
+        # the ports UCX's TCP transport listens on: peers' WRITEs come in through them
+        self.listen_ports = sockets.listening_ports() - before
         self._lock = threading.RLock()
         self._peers: dict[str, _Prepared | None] = {}
         # Loaded peers' metadata, posted transfers not yet released per peer, and peers
@@ -374,6 +383,25 @@ class NixlTransport:
                 self._retiring[name] = self._peers.pop(name)
                 return
             self._forget(name)
+
+    def cut_connections_from(self, ips: Collection[str]) -> int:
+        """Shut down the TCP connections peers at `ips` opened to this agent; returns how
+        many. Bytes of a WRITE released unfinished that the writer's kernel still holds can
+        then never land here (`kvpush.dataplane.sockets`); the peer's next transfer on such a
+        connection fails as the peer's disconnection, and it loads this agent again. Nothing
+        to do where UCX moves no bytes over TCP."""
+        if not self.listen_ports or not ips:
+            return 0
+        cut = sockets.cut(self.listen_ports, ips)
+        if cut:
+            log.warning(
+                "NIXL agent %s: shut down %d connection(s) from %s, so that no byte of a "
+                "WRITE given up can still land",
+                self.name,
+                len(cut),
+                ", ".join(sorted({f"{s.remote[0]}:{s.remote[1]}" for s in cut})),
+            )
+        return len(cut)
 
     def peers(self) -> list[str]:
         with self._lock:

@@ -9,6 +9,7 @@ send, where they report - and not on each other.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,6 +56,8 @@ class Transport(Protocol):
     def add_peer(self, metadata: bytes, name: str | None = None) -> str: ...
 
     def remove_peer(self, name: str) -> None: ...
+
+    def cut_connections_from(self, ips: Collection[str]) -> int: ...
 
     def prepare_peer_blocks(
         self,

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvpush.core.fanout import Fanout, leg_id, split_leg
 from kvpush.core.planning import PlanError, blocks_from, destinations
-from kvpush.core.protocol import Cancel, LeaseRenew, Registration, WriteDone, Writing
+from kvpush.core.protocol import Cancel, Hello, LeaseRenew, Registration, WriteDone, Writing
 from kvpush.core.rendezvous import (
     DropRegistration,
     LocalBlocks,
@@ -49,6 +49,9 @@ log = logging.getLogger("kvpush.worker")
 # decode progresses its NIXL agent, which UCX's TCP transport needs to take the bytes in.
 # With shared memory or RDMA a small WRITE has finished by then and decode hears nothing.
 TELL_AFTER_S = 200e-6
+# A post refused as decode's disconnection is tried again this much later, once the news of
+# a decode that died (its control connection closing) has had time to arrive first.
+REPOST_AFTER_S = 0.05
 
 
 class PushWriter(PeerLoop[StartWrite]):
@@ -148,6 +151,8 @@ class PushWriter(PeerLoop[StartWrite]):
                 self.rendezvous.renew(leg, now)
         elif isinstance(item, _Announced):
             self._announced(item, now)
+        elif isinstance(item, _Repost):
+            self._repost(item)
         elif isinstance(item, PeerReady):
             peer = item.peer
             for start in self.peers.ready(peer):
@@ -334,6 +339,13 @@ class PushWriter(PeerLoop[StartWrite]):
                 reg.first_token,
             )
         except (PlanError, TransferError) as exc:
+            if _kind(exc) == "peer_gone" and not start.again and peer.offered is not None:
+                # Refused at the post, so nothing was sent: decode cut the connection (to
+                # stop a WRITE it had given up, `dataplane/sockets.py`), or it died.
+                log.info("decode %s: its NIXL connection is gone (%s); trying again", peer, exc)
+                again = _Repost(dataclasses.replace(start, again=True), peer.offered)
+                self.later(again, time.monotonic(), REPOST_AFTER_S)
+                return
             self._fail_start(start, f"cannot write KV: {exc}", _kind(exc))
             return
         now = time.monotonic()
@@ -342,6 +354,19 @@ class PushWriter(PeerLoop[StartWrite]):
         self.results.observe(
             reg_to_write_s=max(0.0, now - registered), finish_to_write_s=max(0.0, now - finished)
         )
+
+    def _repost(self, item: _Repost) -> None:
+        """Post a WRITE refused as decode's disconnection once more, on a new connection to
+        the same decode process, unless that decode's registration was voided meanwhile
+        (its control connection closed: it died) or another incarnation answers there."""
+        start, reg = item.start, item.start.registration
+        if self._sources.get(reg.transfer_id, (0, -1))[1] != reg.generation:
+            why = "decode went away during the WRITE (its control connection closed)"
+            self._fail_start(start, why, "peer_gone")
+            return
+        if (reg.host, reg.port) not in self.peers.peers:
+            self.peers.adopt(item.hello)  # the same incarnation, handshaken anew
+        self._start(start)
 
     def _fail_start(self, start: StartWrite, error: str, kind: str = "write_failed") -> None:
         reg = start.registration
@@ -392,6 +417,14 @@ class PushWriter(PeerLoop[StartWrite]):
             return
         reg = item.start.registration
         self.act(self.rendezvous.write_finished(reg.transfer_id, reg.generation, True, "", now))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Repost:
+    """Writer thread, later: post `start` again, to the decode that sent `hello`."""
+
+    start: StartWrite
+    hello: Hello
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

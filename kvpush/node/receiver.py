@@ -72,6 +72,8 @@ class _Expecting:
     connections: dict[int, int] = field(default_factory=dict)
     # push: the producer ranks a registration was handed to (only they can write)
     registered: set[int] = field(default_factory=set)
+    # push: a producer said a WRITE of this generation was under way (`Writing`)
+    written_to: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -193,6 +195,9 @@ class Receiver(PeerLoop[_ForRank]):
                 SAMPLED.put(item.transfer_id, first)
             self._outcomes(self.arrivals.on_write_done(item, now))
         elif isinstance(item, Writing):
+            expecting = self.expecting.get(item.transfer_id)
+            if expecting is not None and expecting.spec.generation == item.generation:
+                expecting.written_to = True
             if self.arrivals.is_waiting(item.transfer_id, item.generation):
                 self.writing.add(item.transfer_id)
                 self.on_target()  # over TCP the WRITE's bytes move only while we progress
@@ -203,7 +208,8 @@ class Receiver(PeerLoop[_ForRank]):
         elif isinstance(item, _NotSent):
             spec = item.spec
             if item.gone:
-                self._outcomes(self.arrivals.settle(spec.transfer_id, spec.generation, item.rank))
+                settled = self.arrivals.settle(spec.transfer_id, spec.generation, item.rank, False)
+                self._outcomes(settled)
             kind = "peer_gone" if item.gone else "peer_unreachable"
             self._outcomes(self.arrivals.fail(spec.transfer_id, item.why, kind, now))
         elif isinstance(item, PeerReady):
@@ -332,9 +338,36 @@ class Receiver(PeerLoop[_ForRank]):
                     self.ctx.config.fence_s,
                 )
                 results.count("failures", "fence_timeout")
+            under_way = outcome.by_time or expecting.written_to
+            if not self.pull and outcome.unsure and under_way:
+                self._cut_late_bytes(expecting)
             # vLLM frees (or, on a load failure, fails) the request once reported; its
             # blocks are safe to reuse now.
             results.received(spec.request_id, () if expecting.aborted else spec.block_ids)
+
+    def _cut_late_bytes(self, expecting: _Expecting) -> None:
+        """Push, before a failed transfer's blocks go back to vLLM when a WRITE into them
+        may not have ended (given up unfinished, its prefill gone or silent): cut the NIXL
+        connections from that prefill's host. Over TCP the bytes the writer's kernel still
+        holds would otherwise land whenever the link lets them, in blocks another request
+        owns by then (`dataplane/sockets.py`). Other transfers on those connections fail;
+        prefill connects again for the next one."""
+        spec = expecting.spec
+        ips = {spec.prefill_host}
+        for rank in expecting.registered:
+            peer = self.peers.peers.get((spec.prefill_host, spec.prefill_port + rank))
+            if peer is not None and peer.client.peer_ip:
+                ips.add(peer.client.peer_ip)
+        try:
+            self.ctx.transport.cut_connections_from(ips)
+        except OSError as exc:
+            log.warning(
+                "request %s: could not cut the NIXL connections from prefill %s (%s); bytes "
+                "of a WRITE given up may still land over TCP",
+                spec.request_id,
+                spec.prefill_host,
+                exc,
+            )
 
     def _failed(self, expecting: _Expecting, failed: ArrivalFailed) -> None:
         """The KV will not arrive: stop every producer that may still write (`Released`

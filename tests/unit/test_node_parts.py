@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,12 +75,18 @@ class FakeTransport:
     hold: bool = False
     posted: list[FakeTransfer] = field(default_factory=list)
     prepared: dict[str, tuple[list[Piece], list[Piece]]] = field(default_factory=dict)
+    cut_from: list[set[str]] = field(default_factory=list)
+    refuse_posts: int = 0  # posts refused as the peer's disconnection, as NIXL does
 
     def add_peer(self, metadata: bytes, name: str | None = None) -> str:
         return name or "peer"
 
     def remove_peer(self, name: str) -> None:
         self.prepared.pop(name, None)
+
+    def cut_connections_from(self, ips: Collection[str]) -> int:
+        self.cut_from.append(set(ips))
+        return 0
 
     def prepare_peer_blocks(
         self,
@@ -92,6 +98,9 @@ class FakeTransport:
         self.prepared[peer] = (_listed(local_blocks), _listed(remote_blocks))
 
     def _post(self, what: str, pairs: list[tuple[Piece, Piece]]) -> FakeTransfer:
+        if self.refuse_posts:
+            self.refuse_posts -= 1
+            raise TransferError("remote_disconnect", f"{what}: NIXL_ERR_REMOTE_DISCONNECT")
         copies = []
         for (src, src_len), (dst, dst_len) in pairs:
             assert src_len == dst_len, "pieces pair up with equal lengths"
@@ -385,6 +394,35 @@ def test_a_failed_transfer_fails_the_request_and_frees_prefill(
     assert decode.load_errors == {1, 9, 3}, "vLLM fails the request through its blocks"
     failures = decode.worker.stats_data()["failures"]
     assert failures.get("receive_failed") == 1, failures
+    assert decode.transport.cut_from == [], "no WRITE was under way: no connection to cut"
+
+
+def test_push_prefill_connects_again_when_its_post_finds_the_connection_cut(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """A decode that cut its NIXL connections (a WRITE it gave up) makes prefill's next
+    post fail as a disconnection, before anything is sent: prefill loads decode's agent
+    again and posts once more, and the request does not fail."""
+    prefill, decode = nodes("push")
+    prefill.transport.refuse_posts = 1
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert not decode.load_errors
+    assert len(prefill.transport.posted) == 1 and prefill.transport.refuse_posts == 0
+    assert prefill.worker.stats_data()["failures"] == {}
+    got = decode.kv.tokens((1, 9, 3), NUM_TOKENS)
+    assert np.array_equal(got, prefill.kv.tokens(PREFILL_BLOCKS, NUM_TOKENS))
+
+
+def test_push_prefill_posts_again_only_once(nodes: Callable[..., tuple[Node, Node]]) -> None:
+    prefill, decode = nodes("push")
+    prefill.transport.refuse_posts = 2  # a decode that really went away
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert decode.load_errors == {1, 9, 3}
+    assert prefill.worker.stats_data()["failures"] == {"peer_gone": 1}
 
 
 def test_push_decode_keeps_its_blocks_until_the_write_in_flight_ended(
@@ -405,6 +443,8 @@ def test_push_decode_keeps_its_blocks_until_the_write_in_flight_ended(
     took = run_until((prefill, decode), lambda: bool(decode.recving))
     assert decode.load_errors == {1, 9, 3}
     assert 0.5 < took < 3.0, f"released {took:.2f} s later: when prefill cancelled its WRITE"
+    # given up unfinished: over TCP its bytes could still land, so decode cut first
+    assert decode.transport.cut_from == [{"127.0.0.1"}]
 
 
 # -- registrations bind to the incarnation that handshook on their connection ----------

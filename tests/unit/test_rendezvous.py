@@ -577,7 +577,8 @@ def test_a_failure_releases_the_blocks_only_when_every_producer_settled() -> Non
     assert not arrivals.is_waiting("t1", 0)
     assert arrivals.on_write_done(wd(rank=1, ok=False), 1.6) == [], "already settled"
     reason = failed.reason
-    assert arrivals.on_write_done(wd(rank=2, ok=False), 1.7) == [Released("t1", 0, reason, False)]
+    released = [Released("t1", 0, reason, False, unsure=True)]
+    assert arrivals.on_write_done(wd(rank=2, ok=False), 1.7) == released
     assert arrivals.pending == 0 and arrivals.next_deadline() is None
 
 
@@ -586,7 +587,7 @@ def test_a_failure_with_every_producer_settled_is_released_at_once() -> None:
     arrivals.expect("t1", 0, producers=1, deadline=10.0)
     failed, released = arrivals.on_write_done(wd(ok=False), 1.0)
     assert isinstance(failed, ArrivalFailed) and failed.unsettled == ()
-    assert released == Released("t1", 0, failed.reason, False)
+    assert released == Released("t1", 0, failed.reason, False, unsure=True)
 
 
 def test_a_silent_producer_is_fenced_until_after_the_transfer_deadline() -> None:
@@ -598,7 +599,7 @@ def test_a_silent_producer_is_fenced_until_after_the_transfer_deadline() -> None
     assert arrivals.settle("t1", 0, 0) == []
     assert arrivals.next_deadline() == 7.0, "prefill may post until about the deadline"
     assert arrivals.expire(6.9) == []
-    assert arrivals.expire(7.0) == [Released("t1", 0, "decode request ended", True)]
+    assert arrivals.expire(7.0) == [Released("t1", 0, "decode request ended", True, True)]
     assert arrivals.stats.released_by_time == 1
 
 
@@ -611,6 +612,27 @@ def test_a_timeout_asks_the_unsettled_producers_and_is_fenced_from_then() -> Non
     assert "1 of 3 producer ranks" in late.reason and late.unsettled == (1, 2)
     assert arrivals.settle("t1", 0, 1) == []
     assert arrivals.on_write_done(wd(rank=2), 5.5) == [Released("t1", 0, late.reason, False)]
+
+
+def test_released_says_whether_a_producer_may_have_left_a_write_under_way() -> None:
+    """`unsure` unless every producer rank ended with its KV written or was never asked to
+    write: a WRITE that failed, a rank that is gone or silent may have bytes still on the
+    way, which decode stops before it reuses the blocks."""
+    arrivals = Arrivals(fence_s=1.0)
+    arrivals.expect("t1", 0, producers=2, deadline=5.0)
+    arrivals.fail("t1", "decode request ended", "aborted", 1.0)
+    assert arrivals.settle("t1", 0, 0) == []  # never asked to write
+    [done] = arrivals.on_write_done(wd(rank=1), 1.2)  # its WRITE completed after all
+    assert isinstance(done, Released) and not done.unsure
+    arrivals.expect("t2", 0, producers=2, deadline=5.0)
+    assert arrivals.settle("t2", 0, 0, sure=False) == []  # gone before the failure
+    arrivals.fail("t2", "decode request ended", "aborted", 1.0)
+    [gone] = arrivals.on_write_done(wd("t2", rank=1), 1.2)
+    assert isinstance(gone, Released) and gone.unsure
+    arrivals.expect("t3", 0, producers=1, deadline=5.0)
+    arrivals.fail("t3", "decode request ended", "aborted", 1.0)
+    [given_up] = arrivals.on_write_done(wd("t3", ok=False), 1.2)  # released unfinished
+    assert isinstance(given_up, Released) and given_up.unsure
 
 
 def test_settled_producers_before_the_failure_count() -> None:
