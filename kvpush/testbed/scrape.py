@@ -34,6 +34,14 @@ def scrape(url: str, timeout: float = 5.0, only: tuple[str, ...] = ()) -> dict[S
         return parse(resp.read().decode(), only)
 
 
+PROMPT_SOURCES = "vllm:prompt_tokens_by_source_total"  # a server's prompt tokens by source
+
+
+def transferred(samples: dict[Sample, float]) -> float:
+    """Prompt tokens a server counted as loaded by KV transfer (a decode's external KV)."""
+    return total(samples, PROMPT_SOURCES, source="external_kv_transfer")
+
+
 def total(samples: dict[Sample, float], name: str, **labels: str) -> float:
     """Sum of every sample called `name` whose labels include `labels`."""
     wanted = set(labels.items())

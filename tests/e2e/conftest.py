@@ -130,6 +130,10 @@ class Deployment:
     served: int = 0  # requests this deployment answered through `ask`
     stalls: int = 0  # vLLM push's stalls in a row (see `ask`)
 
+    def external_tokens(self) -> float:
+        """Prompt tokens decode counted as loaded by KV transfer, so far."""
+        return scrape.transferred(scrape.scrape(self.decode))
+
     @property
     def attempts(self) -> int:
         # vLLM's NixlPushConnector stalls a request now and then on these machines (its

@@ -186,12 +186,6 @@ def test_structured_outputs_go_on_from_prefills_first_token(
         assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
 
 
-def external_tokens(deployment: Deployment) -> float:
-    samples = scrape.scrape(deployment.decode)
-    return scrape.total(samples, "vllm:prompt_tokens_by_source_total",
-                        source="external_kv_transfer")  # fmt: skip
-
-
 @pytest.mark.parametrize("setup", sorted(MODE_PORTS))
 def test_a_lora_adapter_answers_as_a_single_server_with_its_own_kv(
     deployments: dict[str, Deployment], tiny_model: Path, setup: str
@@ -204,10 +198,10 @@ def test_a_lora_adapter_answers_as_a_single_server_with_its_own_kv(
         reference = post(deployment.prefill + "/v1/completions",
                          {**request, "cache_salt": "reference"})  # fmt: skip
         want = texts[model] = reference["choices"][0]["text"]
-        before = external_tokens(deployment)
+        before = deployment.external_tokens()
         answer = post(deployment.proxy + "/v1/completions", request)
         assert answer["choices"][0]["text"] == want, (setup, model)
-        assert external_tokens(deployment) - before == answer["usage"]["prompt_tokens"], model
+        assert deployment.external_tokens() - before == answer["usage"]["prompt_tokens"], model
         assert post_stream(deployment.proxy + "/v1/completions", request) == want, setup
     assert texts[ADAPTER] != texts[str(tiny_model)], "the adapter changes nothing"
     for side in (deployment.prefill, deployment.decode):

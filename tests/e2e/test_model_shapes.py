@@ -50,7 +50,6 @@ from tests.e2e.conftest import (
 )
 
 pytestmark = pytest.mark.e2e
-EXTERNAL = "vllm:prompt_tokens_by_source_total"
 SHAPES = {
     "mqa-1x128": TinyModelSpec(heads=4, kv_heads=1, head_dim=128),
     "gqa-8x128": TinyModelSpec(heads=16, kv_heads=8, head_dim=128),
@@ -132,20 +131,16 @@ def own_answers(model: Path, server: str) -> dict[str, str]:
     return answers
 
 
-def external_tokens(deployment: Deployment) -> float:
-    return scrape.total(scrape.scrape(deployment.decode), EXTERNAL, source="external_kv_transfer")
-
-
 @pytest.mark.parametrize("setup", sorted(MODE_PORTS))
 def test_answers_equal_a_single_server_and_every_prompt_token_came_by_transfer(
     run: Run, setup: str
 ) -> None:
     deployment = run.deployments[setup]
     for prompt in PROMPTS:
-        before = external_tokens(deployment)
+        before = deployment.external_tokens()
         answer = post(deployment.proxy + "/v1/completions", completion(run.model, prompt))
         assert answer["choices"][0]["text"] == run.reference[prompt], (setup, prompt)
-        assert external_tokens(deployment) - before == answer["usage"]["prompt_tokens"]
+        assert deployment.external_tokens() - before == answer["usage"]["prompt_tokens"]
     first = scrape.scrape(deployment.proxy)
     streamed = post_stream(deployment.proxy + "/v1/completions", completion(run.model, PROMPTS[1]))
     if run.shape in VLLM_REFERENCE:
@@ -182,13 +177,13 @@ def test_a_long_prompt_moves_whole_and_answers_as_a_single_server(run: Run, setu
     body = {**completion(run.model, ""), "prompt": prompt}
     deployment = run.deployments[setup]
     reference = post(deployment.prefill + "/v1/completions", {**body, "cache_salt": setup})
-    before = external_tokens(deployment)
+    before = deployment.external_tokens()
     started = time.monotonic()
     answer = post(deployment.proxy + "/v1/completions", body)
     took = time.monotonic() - started
     assert answer["usage"]["prompt_tokens"] == LONG_TOKENS
     assert answer["choices"][0]["text"] == reference["choices"][0]["text"], setup
-    assert external_tokens(deployment) - before == LONG_TOKENS, "all of it came by transfer"
+    assert deployment.external_tokens() - before == LONG_TOKENS, "all of it came by transfer"
     for side in (deployment.prefill, deployment.decode):
         assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
     print(f"\n{setup}: {LONG_TOKENS} prompt tokens answered in {took:.1f} s")

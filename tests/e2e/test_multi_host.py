@@ -84,7 +84,6 @@ TRANSFER_TIMEOUT_S, FENCE_S, LEASE_S = 4.0, 2.0, 6.0
 SLACK_S = 5.0  # past a deadline before a failure counts as late (a busy CI machine)
 HOLD_S = 3.0  # delay_write/delay_post: the initiator's transfer stays in flight this much longer
 REQUEST_TIMEOUT_S = 30.0
-EXTERNAL = "vllm:prompt_tokens_by_source_total"
 LOOPBACK = (b"127.0.0.1", b"localhost", b"0.0.0.0")
 SUMMARY: list[str] = []
 
@@ -284,7 +283,7 @@ def report(line: str) -> None:
 
 
 def external_tokens(server: Server) -> float:
-    return scrape.total(server.metrics(), EXTERNAL, source="external_kv_transfer")
+    return scrape.transferred(server.metrics())
 
 
 def ask_counted(pair: Pair, body: dict[str, Any], path: str = "/v1/completions") -> Any:

@@ -59,7 +59,6 @@ REPO = Path(__file__).resolve().parents[2]
 WHEELHOUSE = Path(os.environ.get("KVPUSH_WHEELHOUSE", Path(sys.prefix) / "wheelhouse"))
 PORT, KV = BASE_PORT + 90, KV_PORT + 90  # clear of the other modules' deployments
 ROUTER_PORT, ROUTER_METRICS_PORT = PORT + 1, PORT + 2
-SOURCES = "vllm:prompt_tokens_by_source_total"
 
 
 def router_args(prefill: str, decode: str) -> list[str]:
@@ -139,8 +138,7 @@ class Routed:
         return answer, self.external_tokens() - before
 
     def external_tokens(self) -> float:
-        metrics = scrape.scrape(self.deployment.decode)
-        return scrape.total(metrics, SOURCES, source="external_kv_transfer")
+        return self.deployment.external_tokens()
 
 
 @pytest.fixture(scope="session")  # before the session's `reference`

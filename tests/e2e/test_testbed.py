@@ -30,7 +30,6 @@ from tests.e2e.conftest import (
 )
 
 pytestmark = pytest.mark.e2e
-EXTERNAL = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.fixture(scope="module", params=["vllm-pull", "vllm-push", "kvpush-push", "kvpush-pull"])
@@ -43,10 +42,6 @@ def deployment(
     deployment = deployment_factory(request.param)
     yield deployment
     deployment.stop()  # before the next setup starts, even if -k skipped the stop-signal test
-
-
-def external_tokens(d: Deployment) -> float:
-    return scrape.total(scrape.scrape(d.decode), EXTERNAL, source="external_kv_transfer")
 
 
 def test_every_server_runs_on_its_own_core(deployment: Deployment) -> None:
@@ -134,11 +129,11 @@ def test_decode_got_every_prompt_token_by_kv_transfer(
     # a prompt decode has not seen: with prefix caching on (vLLM's default) a repeated
     # one is decode's own, and only its uncached tail moves
     fresh = f"{deployment.setup} checks its transfer: " + PROMPTS[2]
-    before = external_tokens(deployment)
+    before = deployment.external_tokens()
     answer = deployment.ask(post, "/v1/completions", completion(tiny_model, fresh))
     prompt_tokens = answer["usage"]["prompt_tokens"]
     assert prompt_tokens > 100
-    assert external_tokens(deployment) - before == prompt_tokens
+    assert deployment.external_tokens() - before == prompt_tokens
     proxy_metrics = scrape.scrape(deployment.proxy)
     assert scrape.total(proxy_metrics, "kvpush_proxy_requests_total", outcome="ok") >= 1
 
