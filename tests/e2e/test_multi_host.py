@@ -22,7 +22,10 @@ listens on 0.0.0.0 (`bind_host`), advertising the host's address. Per mode:
 - decode's link cut mid-transfer (`ip link set` down on its bridge port, while a test hook
   holds the transfer in flight: `delay_write` in push, `delay_post` in pull): decode fails
   the request within its bound, the client gets a 502 once the link is back, no KV block
-  leaks on either server, and the next request is answered correctly.
+  leaks on either server, and the next request is answered correctly;
+- push: a WRITE posted while decode's link is down (`delay_post`): decode cuts the NIXL
+  connection from prefill's host before it reuses the blocks, prefill lives on, and the
+  next request is answered correctly (prefill posts its WRITE again on a new connection).
 
 Each prints one summary line (run with -s). Time: the single reference server, then two
 server start-ups per mode (about a minute each on 2 cores, in parallel) and under a minute
@@ -503,20 +506,35 @@ def test_decode_link_cut_mid_transfer_fails_within_the_bound_and_leaks_nothing(
     assert took < REQUEST_TIMEOUT_S, took
     # nothing leaks: prefill's KV freed by decode's message or at its lease end at worst
     idle = idle_after(pair, timeout=LEASE_S + 15)
-    # the link is back: the next request is answered, and correctly
+    nxt_took, tries = answered_after_the_cut(pair, after, expected, "cut")
+    kinds = failure_kinds(pair.decode)
+    report(
+        f"HOSTS {pair.mode} link cut: decode's link down {cut_at:.1f} s into the request "
+        f"(transfer in flight), decode failed it at {failed_at:.1f} s ({kinds}); client got "
+        f"HTTP {status} after {took:.1f} s once the link was back ({body[:120]!r}); KV usage "
+        f"0 on both {idle:.1f} s later; next request ok in {nxt_took:.2f} s ({tries} tries)"
+    )
+
+
+def answered_after_the_cut(
+    pair: Pair, prompt: str, expected: dict[str, Any], tag: str
+) -> tuple[float, int]:
+    """Once the link is back, the next request is answered, and correctly; returns how
+    long it took and in how many tries.
+
+    TCP's retransmission timer backed off during the outage and may hold UCX's connection
+    for seconds more: the first request may still fail (fast, with an error); one within 3
+    tries must be answered right. A retry is salted so that it computes the whole prompt
+    again, as the reference did."""
     deadline = time.monotonic() + 30
     while not http_ok(pair.proxy + "/health"):
         assert time.monotonic() < deadline, "the proxy did not take decode back"
         time.sleep(0.2)
-    # the link is back, but TCP's retransmission timer backed off during the outage and
-    # may hold UCX's connection for seconds more: the first request may still fail (fast,
-    # with an error); one within 3 tries must be answered right. A retry is salted so that
-    # it computes the whole prompt again, as the reference did.
-    nxt_started, tries = time.monotonic(), 0
+    started, tries = time.monotonic(), 0
     while True:
-        again = completion(pair.model, after)
+        again = completion(pair.model, prompt)
         if tries:
-            again["cache_salt"] = f"after-cut-{pair.mode}-{tries}"
+            again["cache_salt"] = f"after-{tag}-{pair.mode}-{tries}"
         tries += 1
         try:
             nxt = ask_counted(pair, again)
@@ -526,13 +544,54 @@ def test_decode_link_cut_mid_transfer_fails_within_the_bound_and_leaks_nothing(
                 raise
             time.sleep(2.0)
     assert nxt["choices"][0]["text"] == expected["choices"][0]["text"]
-    kinds = failure_kinds(pair.decode)
+    return time.monotonic() - started, tries
+
+
+def test_a_write_held_up_by_a_cut_link_never_lands_after_decode_gave_up(pair: Pair) -> None:
+    """Push: the WRITE is posted while decode's link is down (`delay_post`), so its bytes
+    wait in prefill's kernel. Decode gives up at its deadline, hears nothing from prefill
+    within `fence_s`, and before it reuses the blocks cuts the NIXL connection from
+    prefill's host (README, "Bytes held up on a TCP link"). Once the link is back,
+    prefill is alive, nothing leaks, and the next request is answered right: prefill's
+    WRITE, refused on the cut connection, is posted again on a new one."""
+    if pair.mode != "push":
+        pytest.skip("push only: a pull READ given up over TCP is open (README)")
+    b = pair.decode.host
+    rid = "mh-push-held-up-fault-delay_post"
+    prompt, after = fresh_prompt("push held up"), fresh_prompt("push after the held-up WRITE")
+    alone = {**completion(pair.model, after), "cache_salt": "alone-held-up"}
+    expected = post_json(pair.prefill.url + "/v1/completions", alone)
+    mark = {s.name: len(s.log_text()) for s in (pair.prefill, pair.decode)}
+    cut_line = f"connection(s) from {pair.prefill.host.address}:"
+
+    def send() -> int:
+        try:
+            pair.ask(completion(pair.model, prompt), rid=rid)
+            return 200
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(send)
+        try:
+            wait_for_line(pair.prefill, "injecting delay_post", mark["prefill"], 20)
+            pair.hosts.cut(b)
+            # decode's deadline, then the fence: prefill cannot answer over the cut link
+            bound = TRANSFER_TIMEOUT_S + FENCE_S + SLACK_S + 5
+            cut_after = wait_for_line(pair.decode, cut_line, mark["decode"], bound)
+        finally:
+            pair.hosts.restore(b)
+        status = pending.result(timeout=REQUEST_TIMEOUT_S + 30)
+    assert status == 502, status
+    idle = idle_after(pair, timeout=LEASE_S + 15)
+    assert pair.prefill.proc is not None and pair.prefill.proc.poll() is None, "prefill died"
+    nxt_took, tries = answered_after_the_cut(pair, after, expected, "held-up")
+    reposted = "NIXL connection is gone" in pair.prefill.log_text()[mark["prefill"] :]
     report(
-        f"HOSTS {pair.mode} link cut: decode's link down {cut_at:.1f} s into the request "
-        f"(transfer in flight), decode failed it at {failed_at:.1f} s ({kinds}); client got "
-        f"HTTP {status} after {took:.1f} s once the link was back ({body[:120]!r}); KV usage "
-        f"0 on both {idle:.1f} s later; next request ok in {time.monotonic() - nxt_started:.2f} s "
-        f"({tries} tries)"
+        f"HOSTS push held-up WRITE: decode cut the NIXL connection from prefill "
+        f"{cut_after:.1f} s after the link went down; client got HTTP {status}; KV usage 0 "
+        f"on both {idle:.1f} s later; next request ok in {nxt_took:.2f} s ({tries} tries, "
+        f"prefill posted its WRITE again: {reposted})"
     )
 
 
