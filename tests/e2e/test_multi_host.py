@@ -551,9 +551,9 @@ def test_a_write_held_up_by_a_cut_link_never_lands_after_decode_gave_up(pair: Pa
     """Push: the WRITE is posted while decode's link is down (`delay_post`), so its bytes
     wait in prefill's kernel. Decode gives up at its deadline, hears nothing from prefill
     within `fence_s`, and before it reuses the blocks cuts the NIXL connection from
-    prefill's host (README, "Bytes held up on a TCP link"). Once the link is back,
-    prefill is alive, nothing leaks, and the next request is answered right: prefill's
-    WRITE, refused on the cut connection, is posted again on a new one."""
+    prefill's host (README, "Failures and security"). Once the link is back, prefill is
+    alive, nothing leaks, and the next request is answered right (the first try may fail:
+    a WRITE posted on the cut connection fails in flight, and prefill connects anew)."""
     if pair.mode != "push":
         pytest.skip("push only: a pull READ given up over TCP is open (README)")
     b = pair.decode.host
