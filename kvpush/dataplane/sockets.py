@@ -53,10 +53,7 @@ def parse_address(field: str) -> tuple[str, int]:
     if len(raw) not in (4, 16):
         raise ValueError(f"not an address of /proc/net/tcp: {field!r}")
     ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    ip = ipaddress.ip_address(ordered)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return str(ip), int(hex_port, 16)
+    return _normal(str(ipaddress.ip_address(ordered))), int(hex_port, 16)
 
 
 def parse_table(text: str) -> dict[int, tuple[tuple[str, int], tuple[str, int], int]]:
