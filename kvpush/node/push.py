@@ -339,14 +339,10 @@ class PushWriter(PeerLoop[StartWrite]):
                 reg.first_token,
             )
         except (PlanError, TransferError) as exc:
-            if _kind(exc) == "peer_gone" and not start.again and peer.offered is not None:
-                # Refused at the post, so nothing was sent: decode cut the connection (to
-                # stop a WRITE it had given up, `dataplane/sockets.py`), or it died.
-                log.info("decode %s: its NIXL connection is gone (%s); trying again", peer, exc)
-                again = _Repost(dataclasses.replace(start, again=True), peer.offered)
-                self.later(again, time.monotonic(), REPOST_AFTER_S)
-                return
-            self._fail_start(start, f"cannot write KV: {exc}", _kind(exc))
+            # Refused at the post, so nothing was sent: decode cut the connection (to stop
+            # a WRITE it had given up, `dataplane/sockets.py`), or it died.
+            if _kind(exc) != "peer_gone" or not self._try_again(start, peer, str(exc)):
+                self._fail_start(start, f"cannot write KV: {exc}", _kind(exc))
             return
         now = time.monotonic()
         registered = self.registered_at.pop((reg.transfer_id, reg.generation), now)
@@ -354,6 +350,16 @@ class PushWriter(PeerLoop[StartWrite]):
         self.results.observe(
             reg_to_write_s=max(0.0, now - registered), finish_to_write_s=max(0.0, now - finished)
         )
+
+    def _try_again(self, start: StartWrite, peer: RemoteRank[StartWrite], error: str) -> bool:
+        """After decode's NIXL connection was found gone, post `start` once more a little
+        later (`_repost`); False where it was tried again already."""
+        if start.again or peer.offered is None:
+            return False
+        log.info("decode %s: its NIXL connection is gone (%s); trying again", peer, error)
+        again = _Repost(dataclasses.replace(start, again=True), peer.offered)
+        self.later(again, time.monotonic(), REPOST_AFTER_S)
+        return True
 
     def _repost(self, item: _Repost) -> None:
         """Post a WRITE refused as decode's disconnection once more, on a new connection to
@@ -383,6 +389,11 @@ class PushWriter(PeerLoop[StartWrite]):
         start, peer = moving.job, moving.peer
         reg = start.registration
         if error:
+            # Failed in flight on a connection decode had cut (prefill's UCX learns it only
+            # then): decode reads nothing more from it, so none of this WRITE lands, and the
+            # blocks it named are still this transfer's. Post it again on a new connection.
+            if error.startswith("remote_disconnect:") and self._try_again(start, peer, error):
+                return
             kind = "write_timeout" if error.startswith("timeout:") else "write_failed"
             self._fail_start(start, error, kind)
             return

@@ -77,6 +77,7 @@ class FakeTransport:
     prepared: dict[str, tuple[list[Piece], list[Piece]]] = field(default_factory=dict)
     cut_from: list[set[str]] = field(default_factory=list)
     refuse_posts: int = 0  # posts refused as the peer's disconnection, as NIXL does
+    drop_in_flight: int = 0  # posts that fail in flight as the peer's disconnection
 
     def add_peer(self, metadata: bytes, name: str | None = None) -> str:
         return name or "peer"
@@ -105,7 +106,11 @@ class FakeTransport:
         for (src, src_len), (dst, dst_len) in pairs:
             assert src_len == dst_len, "pieces pair up with equal lengths"
             copies.append((src, dst, src_len))
-        transfer = FakeTransfer(what, copies, self.fail, lambda: self.hold)
+        fail = self.fail
+        if self.drop_in_flight:
+            self.drop_in_flight -= 1
+            fail = TransferError("remote_disconnect", f"{what}: NIXL_ERR_REMOTE_DISCONNECT")
+        transfer = FakeTransfer(what, copies, fail, lambda: self.hold)
         self.posted.append(transfer)
         return transfer
 
@@ -397,32 +402,47 @@ def test_a_failed_transfer_fails_the_request_and_frees_prefill(
     assert decode.transport.cut_from == [], "no WRITE was under way: no connection to cut"
 
 
-def test_push_prefill_connects_again_when_its_post_finds_the_connection_cut(
-    nodes: Callable[..., tuple[Node, Node]],
+@pytest.mark.parametrize("where", ["at the post", "in flight"])
+def test_push_prefill_connects_again_when_decode_cut_the_connection(
+    nodes: Callable[..., tuple[Node, Node]], where: str
 ) -> None:
     """A decode that cut its NIXL connections (a WRITE it gave up) makes prefill's next
-    post fail as a disconnection, before anything is sent: prefill loads decode's agent
+    WRITE fail as a disconnection, having landed nothing: refused at the post, or failed in
+    flight where prefill's UCX learns of the cut only then. Prefill loads decode's agent
     again and posts once more, and the request does not fail."""
     prefill, decode = nodes("push")
-    prefill.transport.refuse_posts = 1
+    if where == "at the post":
+        prefill.transport.refuse_posts = 1
+    else:
+        prefill.transport.drop_in_flight = 1
     prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
     decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
     run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
     assert not decode.load_errors
-    assert len(prefill.transport.posted) == 1 and prefill.transport.refuse_posts == 0
+    posts = 1 if where == "at the post" else 2
+    assert len(prefill.transport.posted) == posts
+    assert prefill.transport.refuse_posts == prefill.transport.drop_in_flight == 0
     assert prefill.worker.stats_data()["failures"] == {}
     got = decode.kv.tokens((1, 9, 3), NUM_TOKENS)
     assert np.array_equal(got, prefill.kv.tokens(PREFILL_BLOCKS, NUM_TOKENS))
 
 
-def test_push_prefill_posts_again_only_once(nodes: Callable[..., tuple[Node, Node]]) -> None:
+@pytest.mark.parametrize("where", ["at the post", "in flight"])
+def test_push_prefill_posts_again_only_once(
+    nodes: Callable[..., tuple[Node, Node]], where: str
+) -> None:
     prefill, decode = nodes("push")
-    prefill.transport.refuse_posts = 2  # a decode that really went away
+    # a decode that really went away
+    if where == "at the post":
+        prefill.transport.refuse_posts = 2
+    else:
+        prefill.transport.drop_in_flight = 2
     prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
     decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
     run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
     assert decode.load_errors == {1, 9, 3}
-    assert prefill.worker.stats_data()["failures"] == {"peer_gone": 1}
+    kind = "peer_gone" if where == "at the post" else "write_failed"
+    assert prefill.worker.stats_data()["failures"] == {kind: 1}
 
 
 def test_push_decode_keeps_its_blocks_until_the_write_in_flight_ended(
