@@ -362,7 +362,7 @@ class PushWriter(PeerLoop[StartWrite]):
         return True
 
     def _repost(self, item: _Repost) -> None:
-        """Post a WRITE refused as decode's disconnection once more, on a new connection to
+        """Post a WRITE failed as decode's disconnection once more, on a new connection to
         the same decode process, unless that decode's registration was voided meanwhile
         (its control connection closed: it died) or another incarnation answers there."""
         start, reg = item.start, item.start.registration

@@ -402,6 +402,14 @@ def test_a_failed_transfer_fails_the_request_and_frees_prefill(
     assert decode.transport.cut_from == [], "no WRITE was under way: no connection to cut"
 
 
+def _disconnect(transport: FakeTransport, where: str, times: int) -> None:
+    """The next `times` WRITEs fail as decode's disconnection, `where` NIXL reports it."""
+    if where == "at the post":
+        transport.refuse_posts = times
+    else:
+        transport.drop_in_flight = times
+
+
 @pytest.mark.parametrize("where", ["at the post", "in flight"])
 def test_push_prefill_connects_again_when_decode_cut_the_connection(
     nodes: Callable[..., tuple[Node, Node]], where: str
@@ -411,10 +419,7 @@ def test_push_prefill_connects_again_when_decode_cut_the_connection(
     flight where prefill's UCX learns of the cut only then. Prefill loads decode's agent
     again and posts once more, and the request does not fail."""
     prefill, decode = nodes("push")
-    if where == "at the post":
-        prefill.transport.refuse_posts = 1
-    else:
-        prefill.transport.drop_in_flight = 1
+    _disconnect(prefill.transport, where, 1)
     prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
     decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
     run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
@@ -432,11 +437,7 @@ def test_push_prefill_posts_again_only_once(
     nodes: Callable[..., tuple[Node, Node]], where: str
 ) -> None:
     prefill, decode = nodes("push")
-    # a decode that really went away
-    if where == "at the post":
-        prefill.transport.refuse_posts = 2
-    else:
-        prefill.transport.drop_in_flight = 2
+    _disconnect(prefill.transport, where, 2)  # a decode that really went away
     prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
     decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
     run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
