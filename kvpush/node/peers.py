@@ -385,6 +385,7 @@ class Moving(Generic[J]):
     hold_until: float = 0.0  # test hook delay_write: seen as in flight until then
     injected: TransferError | None = None  # test hook nixl_error: how it ends
     told: bool = False  # push: decode was told this WRITE is in flight (`Writing`)
+    given_up: float = 0.0  # when its owner gave it up unfinished, if it keeps it (`InFlight`)
 
 
 class PostLater:
@@ -414,19 +415,45 @@ class PostLater:
                 raise TransferError("failed", f"{self.what}: {exc}") from exc
         return self._posted.poll()
 
+    @property
+    def started(self) -> bool:
+        return self._posted is not None
+
     def release(self) -> bool:
         return self._posted.release() if self._posted is not None else True
 
 
-class InFlight(Generic[J]):
-    """Posted transfers, polled from their owner thread with backoff (20 us -> 1 ms)."""
+def _unstarted(moving: Moving[Any]) -> bool:
+    """Not posted yet (test hook delay_post): none of its bytes can move."""
+    return isinstance(moving.transfer, PostLater) and not moving.transfer.started
 
-    def __init__(self) -> None:
+
+def _poll(moving: Moving[Any], now: float) -> tuple[bool, TransferError | None]:
+    """Whether the transfer ended, and how it failed if it did (held by `delay_write`
+    until `hold_until`)."""
+    try:
+        return now >= moving.hold_until and moving.transfer.poll(), None
+    except TransferError as exc:
+        return True, exc
+
+
+class InFlight(Generic[J]):
+    """Posted transfers, polled from their owner thread with backoff (20 us -> 1 ms).
+
+    With `keep_given_up` (decode's READs), a transfer given up unfinished (timed out or
+    cancelled) is not released: releasing does not stop a READ's answer, which over TCP
+    lands whenever the link lets it. It stays here, polled, until it ends
+    (`ended_given_up`) or its owner lets it go (`let_go`), and its job's blocks stay fenced
+    meanwhile."""
+
+    def __init__(self, keep_given_up: bool = False) -> None:
         self.moving: list[Moving[J]] = []
+        self.given_up: list[Moving[J]] = []
+        self._keep = keep_given_up
         self._sleep = 0.0
 
     def __len__(self) -> int:
-        return len(self.moving)
+        return len(self.moving) + len(self.given_up)
 
     def add(
         self,
@@ -443,7 +470,7 @@ class InFlight(Generic[J]):
 
     def wait_time(self) -> float | None:
         """How long the owner may sleep: a little longer each idle round, None when idle."""
-        if not self.moving:
+        if not self.moving and not self.given_up:
             return None
         self._sleep = min(max(self._sleep * 2, _FIRST_POLL_S), _MAX_POLL_S)
         return self._sleep
@@ -454,27 +481,28 @@ class InFlight(Generic[J]):
         """Transfers that ended since the last poll, released, with their error if any.
 
         One still in flight `timeout` seconds after it was posted is cancelled and ends
-        with a "timeout" error.
+        with a "timeout" error; with `keep_given_up` it is kept (`Moving.given_up` set).
         """
         ended: list[tuple[Moving[J], TransferError | None]] = []
         still: list[Moving[J]] = []
         for moving in self.moving:
-            error: TransferError | None = None
-            try:
-                done = now >= moving.hold_until and moving.transfer.poll()
-            except TransferError as exc:
-                done, error = True, exc
-            if not done and now - moving.posted > timeout:
+            done, error = _poll(moving, now)
+            timed_out = not done and now - moving.posted > timeout
+            if timed_out:
                 done, error = (
                     True,
                     TransferError(
                         "timeout",
                         f"{moving.transfer.what} did not complete within {timeout:g} s "
-                        "(transfer_timeout_s); cancelled",
+                        "(transfer_timeout_s); "
+                        + ("given up, kept until it ends" if self._keep else "cancelled"),
                     ),
                 )
             if not done:
                 still.append(moving)
+                continue
+            if timed_out and self._keep_it(moving, now):
+                ended.append((moving, error))
                 continue
             if not moving.transfer.release():
                 log.warning("%s could not be cancelled", moving.transfer.what)
@@ -484,30 +512,70 @@ class InFlight(Generic[J]):
         self.moving = still
         return ended
 
-    def cancel(self, which: Callable[[J], bool]) -> list[J]:
-        """Stop tracking the transfers of jobs `which` selects, releasing (cancelling) them;
-        returns the jobs whose transfer NIXL could not cancel (it may still complete)."""
-        stuck: list[J] = []
+    def _keep_it(self, moving: Moving[J], now: float) -> bool:
+        """Keep a transfer given up unfinished, where this owner does (`keep_given_up`)."""
+        if not self._keep or _unstarted(moving):
+            return False
+        moving.given_up = now
+        self.given_up.append(moving)
+        return True
+
+    def cancel(self, which: Callable[[J], bool], now: float = 0.0) -> list[J]:
+        """Give up the transfers of jobs `which` selects: release (cancel) them, or, with
+        `keep_given_up`, keep those that may still move bytes. Returns the jobs whose
+        transfer may still complete: kept, given up before, or that NIXL could not cancel."""
+        stuck = [m.job for m in self.given_up if which(m.job)]
         dropped = [m for m in self.moving if which(m.job)]
         if dropped:
             self.moving = [m for m in self.moving if not which(m.job)]
             for moving in dropped:
-                if not moving.transfer.release():
+                if self._keep_it(moving, now or time.monotonic()):
+                    stuck.append(moving.job)
+                elif not moving.transfer.release():
                     log.warning("%s could not be cancelled", moving.transfer.what)
                     stuck.append(moving.job)
         return stuck
+
+    def ended_given_up(self, now: float) -> list[tuple[Moving[J], TransferError | None]]:
+        """Transfers given up earlier that have ended since (completed or failed), released."""
+        ended: list[tuple[Moving[J], TransferError | None]] = []
+        still: list[Moving[J]] = []
+        for moving in self.given_up:
+            done, error = _poll(moving, now)
+            if not done:
+                still.append(moving)
+                continue
+            moving.transfer.release()
+            ended.append((moving, error))
+        self.given_up = still
+        return ended
+
+    def let_go(self, which: Callable[[J], bool]) -> list[Moving[J]]:
+        """Release the given-up transfers of jobs `which` selects without waiting for their
+        end any longer; returns them. Over TCP, a READ's answer may still land after this."""
+        gone = [m for m in self.given_up if which(m.job)]
+        if gone:
+            self.given_up = [m for m in self.given_up if not which(m.job)]
+            for moving in gone:
+                moving.transfer.release()
+        return gone
 
 
 class PeerLoop(Loop, Generic[J]):
     """A worker thread that talks to peers of `peer_role` and drives the transfers it posts."""
 
     def __init__(
-        self, ctx: Context, name: str, peer_role: str, load_agents: bool = True
+        self,
+        ctx: Context,
+        name: str,
+        peer_role: str,
+        load_agents: bool = True,
+        keep_given_up: bool = False,
     ) -> None:
         super().__init__(ctx.results, name)
         self.ctx = ctx
         self.peers: Peers[J] = Peers(ctx, self.inbox, peer_role, load_agents)
-        self.inflight: InFlight[J] = InFlight()
+        self.inflight: InFlight[J] = InFlight(keep_given_up)
 
     def stop(self) -> None:
         super().stop()

@@ -19,7 +19,9 @@ thread, so "may be under way" is kept narrow:
   p50 7.9 and 8.8 ms in two runs of `kvpush bench hooks --setups kvpush-push --requests
   12 --concurrency 3`, 5.7 ms with decode's progress switched off by hand (loopback, where
   shared memory needs none), 6.7 ms with this rule;
-- prefill in pull: while it holds leases (decode may READ them at any time).
+- prefill in pull: while it holds leases (decode may READ them at any time), and for
+  `transfer_timeout_s + fence_s` after one expired (its decode may still have a READ of
+  it pending, which it keeps that long: `LeaseKeeper.serve_until`).
 The part wakes the thread (`on_target`) when that starts, and nothing else does. It stops
 once nothing is in flight and `LINGER_S` passed since the last wake. While running it calls
 NIXL every `INTERVAL_S`: one short call, which is all the TCP transport needs to keep
@@ -103,8 +105,8 @@ def for_part(
         arrivals, writing = part.arrivals, part.writing
         busy = lambda: bool(writing) or arrivals.fenced > 0  # noqa: E731
     elif isinstance(part, LeaseKeeper):
-        leases = part.leases
-        busy = lambda: leases.active > 0  # noqa: E731
+        leases, keeper = part.leases, part
+        busy = lambda: leases.active > 0 or time.monotonic() < keeper.serve_until  # noqa: E731
     else:
         return None
     progress = TargetProgress(transport.get_notifs, busy, f"{part.name}-target-progress")

@@ -41,6 +41,14 @@ class LeaseKeeper(PeerLoop[None]):
         super().__init__(ctx, "kvpush-pull-leases", "decode")
         self.leases = Leases(ctx.config.lease_s)
         self.lock = threading.Lock()
+        # Target progress runs while leases are held, and until then after one expired:
+        # its decode went silent (a link down, say), and may still have a READ of it
+        # pending, which it keeps until it ends (up to its deadline and fence). Served now,
+        # the READ ends into the blocks decode still holds for it; left unserved until the
+        # next lease woke the progress, it would land after decode reused them.
+        self.serve_until = 0.0
+        config = ctx.config
+        self._serve_s = config.transfer_timeout_s + config.fence_s
 
     def gauges(self) -> dict[str, float]:
         with self.lock:
@@ -63,6 +71,9 @@ class LeaseKeeper(PeerLoop[None]):
             expired = self.leases.expire(time.monotonic())
         for release in expired:
             log.warning("lease of transfer %s ended: %s", release.local.transfer_id, release.reason)
+        if expired:
+            self.serve_until = time.monotonic() + self._serve_s
+            self.on_target()
         self._release(expired)
 
     def answer(self, msg: ReadDone | LeaseRenew) -> ReadDone | LeaseRenew | Cancel | Wait:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kvpush.core import planning
@@ -148,7 +149,8 @@ class Receiver(PeerLoop[_ForRank]):
         self.pull = ctx.config.mode == "pull"
         name = "kvpush-pull-reader" if self.pull else "kvpush-push-receiver"
         # push moves no KV from here: its handshakes need no prefill NIXL agent
-        super().__init__(ctx, name, "prefill", load_agents=self.pull)
+        # a READ given up unfinished is kept until it ends: its answer still lands
+        super().__init__(ctx, name, "prefill", load_agents=self.pull, keep_given_up=True)
         self.arrivals = Arrivals(ctx.config.fence_s)
         # How long a request waits for its KV once decode has blocks: pull READs a prefill
         # that has finished; push waits for prefill's queue and forward too.
@@ -215,11 +217,14 @@ class Receiver(PeerLoop[_ForRank]):
         elif isinstance(item, PeerReady):
             self._handshook(item.peer)
         elif isinstance(item, _Answered):
+            if not self._current(item.spec):
+                # failed meanwhile: prefill's KV no longer matters, and a READ kept in
+                # flight settles its rank only when it ends, whatever prefill holds
+                return
             if item.wait:
                 spec = item.spec
-                if self._current(spec):
-                    client = self._client(spec.prefill_host, spec.prefill_port + item.rank)
-                    self.later(_AskAgain(spec, item.rank, client, item.asked), at, ASK_AGAIN_S)
+                client = self._client(spec.prefill_host, spec.prefill_port + item.rank)
+                self.later(_AskAgain(spec, item.rank, client, item.asked), at, ASK_AGAIN_S)
             elif item.problem:
                 why = f"prefill rank {item.rank} no longer holds the KV: {item.problem}"
                 self._producer_done(item.spec, item.rank, False, why, "lease_lost")
@@ -234,6 +239,8 @@ class Receiver(PeerLoop[_ForRank]):
         now = time.monotonic()
         for moving, error in self.ended():
             self._read_ended(moving, error, now)
+        for moving, failure in self.inflight.ended_given_up(now):
+            self._given_up_read_ended(moving, failure, now)
         for expecting in self.renewals.pop_due(now):
             self._renew(expecting, now)
         for holding in self.hold_renewals.pop_due(now):
@@ -253,6 +260,7 @@ class Receiver(PeerLoop[_ForRank]):
         old = self.expecting.get(spec.transfer_id)
         if old is not None:
             old.alive = False
+            self.inflight.let_go(lambda read: read.spec is old.spec)
         expecting = _Expecting(spec, now, producers)
         self.expecting[spec.transfer_id] = expecting
         if self.pull:
@@ -326,6 +334,7 @@ class Receiver(PeerLoop[_ForRank]):
             del self.expecting[outcome.transfer_id]
             expecting.alive = False
             spec, results = expecting.spec, self.results
+            self._let_go_reads(spec)
             if isinstance(outcome, Arrived):
                 results.received(spec.request_id)
                 results.observe(wait_s=time.monotonic() - expecting.started)
@@ -621,6 +630,12 @@ class Receiver(PeerLoop[_ForRank]):
 
     def _read_ended(self, moving: Moving[_ForRank], error: str, now: float) -> None:
         read = moving.job
+        if moving.given_up:  # timed out, kept in flight: its rank settles when it ends
+            if self._current(read.spec):
+                why = f"READ from prefill {moving.peer} failed: {error}"
+                tid = read.spec.transfer_id
+                self._outcomes(self.arrivals.fail(tid, why, "transfer_timeout", now))
+            return
         if error:
             self._read_failed(read, f"READ from prefill {moving.peer} failed: {error}")
             return
@@ -640,19 +655,63 @@ class Receiver(PeerLoop[_ForRank]):
             )
         )
 
+    def _given_up_read_ended(
+        self, moving: Moving[_ForRank], failure: TransferError | None, now: float
+    ) -> None:
+        """A READ given up unfinished has ended: nothing more of it can land, and its rank
+        no longer holds the blocks back."""
+        read = moving.job
+        log.warning(
+            "request %s: %s, given up %.1f s before, ended (%s); its blocks can go back",
+            read.spec.request_id,
+            moving.transfer.what,
+            now - moving.given_up,
+            f"failed: {failure}" if failure else "complete",
+        )
+        self._let_prefill_free(read, "the READ decode gave up has ended")
+        self._outcomes(self.arrivals.settle(read.spec.transfer_id, read.spec.generation, read.rank))
+
+    def _let_go_reads(self, spec: RecvSpec) -> None:
+        """The fence ran out on READs given up that never ended: release them."""
+        for moving in self.inflight.let_go(lambda read: read.spec is spec):
+            log.warning(
+                "request %s: %s, given up %.1f s ago, has not ended; its blocks go back now, "
+                "and over TCP its answer may still land in them (a link down longer than "
+                "fence_s: README, Failures and security)",
+                spec.request_id,
+                moving.transfer.what,
+                time.monotonic() - moving.given_up,
+            )
+            self._let_prefill_free(moving.job, "decode gave up its READ; it did not end")
+
+    def _let_prefill_free(self, read: _ForRank, why: str) -> None:
+        """Tell the prefill rank of a READ decode gave up and kept that it may free the KV:
+        until then it held its lease and served the READ (over TCP that takes its
+        progress, which stops with its last lease)."""
+        spec = read.spec
+        peer = self.peers.peers.get((spec.prefill_host, spec.prefill_port + read.rank))
+        if peer is not None and peer.hello is not None:
+            done = self._read_done(spec, False, why)
+            self.peers.submit(self._ask, spec, read.rank, peer.client, done)
+
     def _stop_reading(self, expecting: _Expecting, failed: ArrivalFailed) -> None:
-        """Cancel the transfer's READs still in flight and let prefill free its blocks."""
+        """Give up the transfer's READs still in flight and let prefill free its blocks. A
+        READ's answer lands even once released (over TCP whenever the link lets it): one
+        that may still move bytes is kept, and its rank holds the blocks until it ended or
+        the fence ran out; its prefill rank keeps the KV, and serves the READ, until then."""
         spec = expecting.spec
         stuck = {read.rank for read in self.inflight.cancel(lambda read: read.spec is spec)}
         reason = f"decode gave up: {failed.reason}"
         done = self._read_done(spec, False, reason)
         # forged coordinates may name another request's transfer: leave its lease alone
         for rank in () if expecting.forged else expecting.producers:
+            if rank in stuck:
+                continue  # told when its READ ends (`_let_prefill_free`)
             peer = self.peers.peers.get((spec.prefill_host, spec.prefill_port + rank))
             if peer is not None and peer.hello is not None:  # never bother a refused peer
                 self.peers.submit(self._ask, spec, rank, peer.client, done)
         for rank in failed.unsettled:
-            if rank not in stuck:  # a READ NIXL could not cancel is fenced until it ends
+            if rank not in stuck:  # a READ kept in flight is fenced until it ends
                 self._outcomes(self.arrivals.settle(spec.transfer_id, spec.generation, rank))
 
     def _read_done(self, spec: RecvSpec, ok: bool, error: str) -> ReadDone:
@@ -668,8 +727,15 @@ class Receiver(PeerLoop[_ForRank]):
 
     def _renew(self, expecting: _Expecting, now: float) -> None:
         spec = expecting.spec
+        ranks: Collection[int] = expecting.producers
+        if not self._current(spec):
+            # failed: prefill was told to free its KV (`_stop_reading`), but for the ranks
+            # whose READ decode keeps: they serve it until it ends
+            ranks = {m.job.rank for m in self.inflight.given_up if m.job.spec is spec}
+            if not ranks:
+                return
         renew = LeaseRenew(spec.transfer_id, spec.generation)
-        for rank in expecting.producers:
+        for rank in ranks:
             client = self._client(spec.prefill_host, spec.prefill_port + rank)
             self.peers.submit(self._ask, spec, rank, client, renew)
         expecting.deadline = now + self.ctx.config.lease_s / 2

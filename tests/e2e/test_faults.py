@@ -23,6 +23,7 @@ import dataclasses
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -373,13 +374,21 @@ def test_a_streamed_request_that_fails_mid_stream_hears_the_cause(d: Deployment)
 def test_a_client_that_disconnects_leaks_nothing(d: Deployment, moment: str, fault: str) -> None:
     if moment == "after-registration":
         only(d, "push", "pull has no registration")
+    mark = d.decode.log_path.stat().st_size
     ask_and_leave(d, f"s3-{moment}-fault-{fault}", after=1.0)
-    if moment == "during-transfer" and d.mode == "push":
-        # the fence: decode keeps the blocks until the WRITE in flight ended (HOLD_S after
-        # it was posted), although its request ended a second after it started; in pull
-        # decode cancels its own READ
-        assert kv_usage(d.decode) > 0, "decode freed blocks a WRITE was still landing in"
+    if moment == "during-transfer":
+        # the fence: decode keeps the blocks until the transfer in flight ended (HOLD_S
+        # after it was posted), although its request ended a second after it started: a
+        # WRITE (push) or the answer to its own READ (pull: released, it still lands)
+        assert kv_usage(d.decode) > 0, "decode freed blocks a transfer was still landing in"
     idle = idle_after(d)
+    if moment == "during-transfer" and d.mode == "pull":
+        with open(d.decode.log_path, errors="replace") as log:
+            log.seek(mark)
+            kept = re.search(r"READ .*, given up ([\d.]+) s before, ended \(complete\)", log.read())
+        assert kept, "decode did not keep its READ until it ended"
+        # posted just after prefill answered, it ends HOLD_S later: given up at 1 s
+        assert HOLD_S - 1.5 < float(kept[1]) < HOLD_S, kept[0]
     if moment != "during-transfer":
         assert idle < LEASE_S - 1.0, "freed by decode's message, not by prefill's lease end"
     recovered(d, f"disconnect-{moment}", f"(client left after 1 s) idle {idle + 1:.1f} s")

@@ -86,6 +86,10 @@ SECRET = "kvpush-e2e-multi-host-secret"
 TRANSFER_TIMEOUT_S, FENCE_S, LEASE_S = 4.0, 2.0, 6.0
 SLACK_S = 5.0  # past a deadline before a failure counts as late (a busy CI machine)
 HOLD_S = 3.0  # delay_write/delay_post: the initiator's transfer stays in flight this much longer
+# Pull: a READ given up while the link was down ends at TCP's next retransmission once it
+# is back, ~1 s after the give-up where the test restores it at once; the longer fence
+# leaves room for a test process that notices the give-up late on a busy machine
+PULL_FENCE_S = 6.0
 REQUEST_TIMEOUT_S = 30.0
 LOOPBACK = (b"127.0.0.1", b"localhost", b"0.0.0.0")
 SUMMARY: list[str] = []
@@ -139,7 +143,8 @@ class Pair:
 def transfer_config(mode: str, role: str, host: netns.Host) -> dict[str, Any]:
     """README's --kv-transfer-config, with this test's short timeouts."""
     extra: dict[str, Any] = {"mode": mode, "host": host.address, "port": CONTROL_PORT}
-    extra |= {"transfer_timeout_s": TRANSFER_TIMEOUT_S, "fence_s": FENCE_S, "lease_s": LEASE_S}
+    fence_s = FENCE_S if mode == "push" else PULL_FENCE_S
+    extra |= {"transfer_timeout_s": TRANSFER_TIMEOUT_S, "fence_s": fence_s, "lease_s": LEASE_S}
     extra["prefill_timeout_s"] = TRANSFER_TIMEOUT_S  # push's bound below is this one too
     config: dict[str, Any] = {
         "kv_connector": "KvpushConnector",
@@ -547,6 +552,56 @@ def answered_after_the_cut(
     return time.monotonic() - started, tries
 
 
+@dataclass
+class HeldUp:
+    after_s: float  # from the link going down to decode's line
+    status: int  # the client's
+    mark: int  # decode's log offset where the attempt began
+
+
+def held_up(pair: Pair, transfer: str, line: str, bound: float) -> HeldUp:
+    """Send a request whose `transfer` (WRITE, READ) its initiator posts HOLD_S late
+    (`delay_post`); take decode's link down as the hook fires, and bring it back once
+    decode logs `line`, or after `bound` seconds.
+
+    The link goes down when the test process sees the hook's log line: one starved past
+    HOLD_S cuts it after the post, the transfer lands and the request succeeds, and that
+    is tried again, up to 3 times. An attempt whose request failed without `line` fails."""
+    initiator = pair.prefill if pair.mode == "push" else pair.decode
+    b = pair.decode.host
+
+    def send(prompt: str, rid: str) -> int:
+        try:
+            pair.ask(completion(pair.model, prompt), rid=rid)
+            return 200
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    for attempt in range(3):
+        rid = f"mh-{pair.mode}-held-up-{attempt}-fault-delay_post"
+        seen = {s.name: len(s.log_text()) for s in (pair.prefill, pair.decode)}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            prompt = fresh_prompt(f"{pair.mode} held up {attempt}")
+            pending = pool.submit(send, prompt, rid)
+            after, missed = None, None
+            try:
+                wait_for_line(initiator, "injecting delay_post", seen[initiator.name], 20)
+                pair.hosts.cut(b)
+                after = wait_for_line(pair.decode, line, seen["decode"], bound)
+            except AssertionError as exc:
+                missed = exc
+            finally:
+                pair.hosts.restore(b)
+            status = pending.result(timeout=REQUEST_TIMEOUT_S + 30)
+        if after is not None:
+            return HeldUp(after, status, seen["decode"])
+        if missed is not None and status != 200:
+            raise missed  # decode logged nothing, and not because the transfer had landed
+        report(f"HOSTS {pair.mode} held-up {transfer}: the link went down after the post "
+               f"({attempt + 1})")  # fmt: skip
+    raise AssertionError(f"the link never went down before the {transfer} was posted")
+
+
 def test_a_write_held_up_by_a_cut_link_never_lands_after_decode_gave_up(pair: Pair) -> None:
     """Push: the WRITE is posted while decode's link is down (`delay_post`), so its bytes
     wait in prefill's kernel. Decode gives up at its deadline, hears nothing from prefill
@@ -558,47 +613,15 @@ def test_a_write_held_up_by_a_cut_link_never_lands_after_decode_gave_up(pair: Pa
     (prefill hears of the cut at its next TCP retransmission, backed off during the outage;
     later than decode's deadline, the first try would still fail)."""
     if pair.mode != "push":
-        pytest.skip("push only: a pull READ given up over TCP is open (README)")
-    b = pair.decode.host
+        pytest.skip("push only: pull's READ has the test below")
     after = fresh_prompt("push after the held-up WRITE")
     alone = {**completion(pair.model, after), "cache_salt": "alone-held-up"}
     expected = post_json(pair.prefill.url + "/v1/completions", alone)
     mark = len(pair.prefill.log_text())
     cut_line = f"connection(s) from {pair.prefill.host.address}:"
     # decode's deadline, then the fence: prefill cannot answer over the cut link
-    bound = TRANSFER_TIMEOUT_S + FENCE_S + SLACK_S + 5
-
-    def send(prompt: str, rid: str) -> int:
-        try:
-            pair.ask(completion(pair.model, prompt), rid=rid)
-            return 200
-        except urllib.error.HTTPError as exc:
-            return exc.code
-
-    # The link goes down once prefill logs the hook, HOLD_S before the post; a test process
-    # starved that long cuts it too late, the WRITE lands and the request succeeds: again.
-    for attempt in range(3):
-        rid = f"mh-push-held-up-{attempt}-fault-delay_post"
-        seen = {s.name: len(s.log_text()) for s in (pair.prefill, pair.decode)}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(send, fresh_prompt(f"push held up {attempt}"), rid)
-            cut_after, missed = None, None
-            try:
-                wait_for_line(pair.prefill, "injecting delay_post", seen["prefill"], 20)
-                pair.hosts.cut(b)
-                cut_after = wait_for_line(pair.decode, cut_line, seen["decode"], bound)
-            except AssertionError as exc:
-                missed = exc
-            finally:
-                pair.hosts.restore(b)
-            status = pending.result(timeout=REQUEST_TIMEOUT_S + 30)
-        if cut_after is not None:
-            break
-        if missed is not None and status != 200:
-            raise missed  # decode cut nothing, and not because the WRITE had landed
-        report(f"HOSTS push held-up WRITE: the link went down after the post ({attempt + 1})")
-    assert cut_after is not None, "the link never went down before the WRITE was posted"
-    assert status == 502, status
+    held = held_up(pair, "WRITE", cut_line, TRANSFER_TIMEOUT_S + FENCE_S + SLACK_S + 5)
+    assert held.status == 502, held.status
     idle = idle_after(pair, timeout=LEASE_S + 15)
     assert pair.prefill.proc is not None and pair.prefill.proc.poll() is None, "prefill died"
     nxt_took, tries = answered_after_the_cut(pair, after, expected, "held-up")
@@ -606,9 +629,37 @@ def test_a_write_held_up_by_a_cut_link_never_lands_after_decode_gave_up(pair: Pa
     assert reposted, f"prefill did not post again after the cut ({tries} tries)"
     report(
         f"HOSTS push held-up WRITE: decode cut the NIXL connection from prefill "
-        f"{cut_after:.1f} s after the link went down; client got HTTP {status}; KV usage 0 "
-        f"on both {idle:.1f} s later; next request ok in {nxt_took:.2f} s ({tries} tries, "
-        "prefill posted its WRITE again)"
+        f"{held.after_s:.1f} s after the link went down; client got HTTP {held.status}; KV "
+        f"usage 0 on both {idle:.1f} s later; next request ok in {nxt_took:.2f} s ({tries} "
+        "tries, prefill posted its WRITE again)"
+    )
+
+
+def test_a_read_held_up_by_a_cut_link_lands_only_in_its_own_blocks(pair: Pair) -> None:
+    """Pull: decode's READ is posted while its link is down (`delay_post`). Decode gives
+    up at its deadline, but a READ's answer lands even once released (over TCP whenever
+    the link lets it), so it keeps the READ, and the request's blocks, until it ends. The
+    link comes back within `fence_s`: the answer lands in the blocks it was meant for, and
+    only then do they go back to vLLM. Nothing leaks, and the next request is answered.
+    Measured: the READ ended 1.1 s after the give-up (TCP's next retransmission)."""
+    if pair.mode != "pull":
+        pytest.skip("pull only: a given-up WRITE is cut off instead (the test above)")
+    after = fresh_prompt("pull after the held-up READ")
+    alone = {**completion(pair.model, after), "cache_salt": "alone-held-up"}
+    expected = post_json(pair.prefill.url + "/v1/completions", alone)
+    held = held_up(pair, "READ", "KV did not arrive", TRANSFER_TIMEOUT_S + SLACK_S + 5)
+    assert held.status == 502, held.status
+    log = pair.decode.log_text()[held.mark :]
+    kept = re.search(r"given up ([\d.]+) s before, ended \(complete\)", log)
+    assert kept, f"decode did not keep its READ until it ended:\n{log_tail(pair.decode.log)}"
+    assert "has not ended" not in log, "the blocks went back before the READ ended"
+    idle = idle_after(pair, timeout=LEASE_S + 15)
+    nxt_took, tries = answered_after_the_cut(pair, after, expected, "held-up")
+    report(
+        f"HOSTS pull held-up READ: decode gave up {held.after_s:.1f} s after the link went "
+        f"down; the link back, the READ ended {kept[1]} s after that, in its own blocks; "
+        f"client got HTTP {held.status}; KV usage 0 on both {idle:.1f} s later; next "
+        f"request ok in {nxt_took:.2f} s ({tries} tries)"
     )
 
 

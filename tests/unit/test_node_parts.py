@@ -46,6 +46,7 @@ class FakeTransfer:
     error: TransferError | None = None
     hold: Callable[[], bool] = lambda: False
     moved: bool = False
+    released: bool = False
 
     def poll(self) -> bool:
         if self.hold():
@@ -59,6 +60,7 @@ class FakeTransfer:
         return True
 
     def release(self) -> bool:
+        self.released = True
         return True
 
 
@@ -468,6 +470,50 @@ def test_push_decode_keeps_its_blocks_until_the_write_in_flight_ended(
     assert decode.transport.cut_from == [{"127.0.0.1"}]
 
 
+def test_pull_decode_keeps_its_blocks_until_a_read_it_gave_up_ended(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """A READ's answer lands even once released (over TCP, whenever the link lets it).
+    Decode gives up at its deadline but keeps the READ and the blocks it reads into until
+    it ended; only then does vLLM get them back, and prefill (which serves the READ until
+    then) hear that it may free its KV."""
+    prefill, decode = nodes("pull", transfer_timeout_s=0.5, fence_s=5.0)
+    decode.transport.hold = True  # the READ's answer is held up (a link down)
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    run_until((prefill, decode), lambda: bool(decode.transport.posted))
+    time.sleep(1.0)  # past decode's deadline
+    for n in (prefill, decode):
+        n.step()
+    (read,) = decode.transport.posted
+    assert not decode.recving, "blocks given back while the READ's answer may land"
+    assert not read.released
+    assert decode.worker.stats_data()["failures"].get("transfer_timeout") == 1
+    time.sleep(0.2)  # time for a word to prefill, were one sent
+    prefill.step()
+    assert not prefill.sending, "prefill freed the KV a READ still reads"
+    decode.transport.hold = False  # the link is back: the answer lands, in its own blocks
+    took = run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert took < 1.0, f"given back {took:.2f} s after the READ ended"
+    assert read.moved and read.released and decode.load_errors == {1, 9, 3}
+    assert "fence_timeout" not in decode.worker.stats_data()["failures"]
+
+
+def test_pull_decode_lets_a_read_it_gave_up_go_at_the_fence(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """A READ that never ends holds the blocks up to `fence_s` after the deadline."""
+    prefill, decode = nodes("pull", transfer_timeout_s=0.5, fence_s=1.0)
+    decode.transport.hold = True
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
+    took = run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    (read,) = decode.transport.posted
+    assert 1.3 < took < 3.0, f"given back {took:.2f} s in: at the deadline and the fence"
+    assert read.released and not read.moved and decode.load_errors == {1, 9, 3}
+    assert decode.worker.stats_data()["failures"].get("fence_timeout") == 1
+
+
 # -- registrations bind to the incarnation that handshook on their connection ----------
 
 
@@ -594,6 +640,24 @@ def test_pull_prefill_wakes_its_progress_once_it_holds_a_lease(
     decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
     run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
     assert events == ["target"]
+
+
+def test_pull_prefill_serves_a_silent_decode_past_the_lease_end(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """A lease that expires (its decode silent: a link down, say) keeps prefill's target
+    progress running until decode's deadline and fence could have passed: a READ decode
+    keeps pending is then served while decode still holds its blocks, not whenever the
+    next lease wakes the progress."""
+    prefill, _ = nodes("pull", lease_s=0.2, transfer_timeout_s=1.0, fence_s=0.5)
+    events: list[str] = []
+    part = prefill.worker.part
+    part.on_target = lambda: events.append("target")
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    run_until((prefill,), lambda: bool(prefill.sending))  # no READ came: the lease ended
+    expired = time.monotonic()
+    assert events == ["target", "target"]
+    assert expired + 1.0 < part.serve_until <= expired + 1.5
 
 
 def test_pull_decode_is_told_to_ask_again_until_prefill_leased_the_blocks(
