@@ -1,4 +1,6 @@
-"""vLLM's defaults left on: prefix caching on both servers, chunked prefill, preemption.
+"""vLLM's defaults left on: prefix caching on both servers, chunked prefill, preemption,
+and async scheduling, vLLM's default on a GPU that its CPU platform turns off (put back
+by the shim in `gpu_defaults/`).
 
 One deployment per kvpush mode (`kvpush up`, as a user starts it) with prefix caching on
 (vLLM's default), prefill chunking prompts at 256 tokens (`--max-num-batched-tokens`), and
@@ -19,6 +21,7 @@ test; one server fewer to start than a plain vLLM server beside the two pairs.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +43,8 @@ MAX_MODEL_LEN = 1024
 LEASE_S = 2.0  # prefill keeps a finished prefill's KV this long for decode unless renewed
 # float32: vLLM's CPU kernels give the same short answers alone or batched (bf16 rounds a
 # batched step differently and answers drift apart); long ones may still flip a near-tie
+GPU_DEFAULTS = Path(__file__).parent / "gpu_defaults"
+ASYNC_LINE = "gpu_defaults: async scheduling on"
 MODEL = TinyModelSpec(heads=8, kv_heads=4, head_dim=64, dtype="float32")
 ARGS = (
     "--max-model-len", str(MAX_MODEL_LEN),
@@ -93,13 +98,18 @@ class Defaults:
 def defaults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Defaults]:
     work = tmp_path_factory.mktemp("defaults")
     tiny_model = ensure_tiny_model(work / "model", MODEL)
+    path = os.pathsep.join(p for p in (str(GPU_DEFAULTS), os.environ.get("PYTHONPATH")) if p)
     deployments = {
-        setup: launch(setup, tiny_model, work / setup, *ARGS, port=port, kv_port=kv)
+        setup: launch(setup, tiny_model, work / setup, *ARGS, port=port, kv_port=kv,
+                      env={"PYTHONPATH": path})
         for setup, (port, kv) in MODE_PORTS.items()
-    }
+    }  # fmt: skip
     try:
-        for deployment in deployments.values():
+        for setup, deployment in deployments.items():
             wait_ready(deployment)
+            for server in ("prefill-0", "decode-0"):
+                log = (work / setup / "logs" / f"{server}.log").read_text(errors="replace")
+                assert ASYNC_LINE in log, f"{setup} {server}: async scheduling not on"
         yield Defaults(tiny_model, deployments)
     finally:
         for deployment in deployments.values():
