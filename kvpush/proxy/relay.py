@@ -88,6 +88,7 @@ class Relay:
         self.decodes_own_first_token = False
         self._writing = asyncio.Lock()  # prefill's token and decode's bytes, in order
         self.from_decode = False  # some of decode's answer reached the client
+        self.complete = False  # decode's whole streamed answer was written to the client
 
     @property
     def answered(self) -> bool:
@@ -150,6 +151,7 @@ class Relay:
         if self.decodes_own_first_token:
             self.metrics.first_token.labels("decode").inc()
         await stream.write_eof()
+        self.complete = True
 
     async def _chunks(
         self, resp: aiohttp.ClientResponse, backend: Backend, on_first_byte: Callable[[], None]
@@ -213,6 +215,7 @@ class Relay:
             )
         assert self.response is not None
         await self.response.write_eof()
+        self.complete = True
 
     async def fail(self, status: int, message: str, backend: str | None) -> web.StreamResponse:
         kind = "backend_error"

@@ -227,6 +227,11 @@ class Proxy:
         relay = Relay(request, time.perf_counter(), self.metrics, chunks)
         try:
             await self.legs.run(job, relay)
+        except asyncio.CancelledError:
+            # the client closed its connection (aiohttp cancels the handler): right after
+            # the last byte of a streamed answer, as many clients do, or before the end
+            self.metrics.requests.labels(mode, "ok" if relay.complete else "client_gone").inc()
+            raise
         except NoBackend as exc:
             self.metrics.requests.labels(mode, "no_backend").inc()
             log.warning("request %s refused: %s", job.request_id, exc)

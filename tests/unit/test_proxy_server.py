@@ -6,6 +6,8 @@ import asyncio
 import json
 import socket
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -447,3 +449,33 @@ def test_an_in_process_proxy_serves_on_the_loop_kvpush_proxy_uses() -> None:
     loop, answer = run_proxy_loop(one_request())
     assert isinstance(loop, uvloop.Loop)
     assert answer["choices"][0]["text"]
+
+
+async def test_a_streamed_answer_counts_once_the_client_has_it_all(rig: Rig) -> None:
+    """A client that closes the connection as soon as it read the last chunk (urllib,
+    requests) left while the proxy finished the request: it still counts as ok, and one
+    that left mid-answer as the client's going."""
+
+    def read_all(timeout: float = 10.0) -> str:
+        request = urllib.request.Request(
+            rig.url + "/v1/completions",
+            data=json.dumps({**BODY, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return str(resp.read().decode())
+
+    answers = await asyncio.gather(*(asyncio.to_thread(read_all) for _ in range(12)))
+    assert all(a.rstrip().endswith("data: [DONE]") for a in answers)
+    await asyncio.sleep(0.2)  # the handlers' last steps
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert f'kvpush_proxy_requests_total{{mode="{rig.mode}",outcome="ok"}} 12.0' in metrics
+    rig.decode.behaviour = StubBehaviour(hang=True)
+    with pytest.raises((TimeoutError, urllib.error.URLError)):  # it leaves, unanswered
+        await asyncio.to_thread(read_all, 0.5)
+    for _ in range(100):
+        metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+        if 'outcome="client_gone"} 1.0' in metrics:
+            break
+        await asyncio.sleep(0.1)
+    assert 'outcome="client_gone"} 1.0' in metrics
