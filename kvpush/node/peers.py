@@ -520,7 +520,7 @@ class InFlight(Generic[J]):
         self.given_up.append(moving)
         return True
 
-    def cancel(self, which: Callable[[J], bool], now: float = 0.0) -> list[J]:
+    def cancel(self, which: Callable[[J], bool]) -> list[J]:
         """Give up the transfers of jobs `which` selects: release (cancel) them, or, with
         `keep_given_up`, keep those that may still move bytes. Returns the jobs whose
         transfer may still complete: kept, given up before, or that NIXL could not cancel."""
@@ -529,7 +529,7 @@ class InFlight(Generic[J]):
         if dropped:
             self.moving = [m for m in self.moving if not which(m.job)]
             for moving in dropped:
-                if self._keep_it(moving, now or time.monotonic()):
+                if self._keep_it(moving, time.monotonic()):
                     stuck.append(moving.job)
                 elif not moving.transfer.release():
                     log.warning("%s could not be cancelled", moving.transfer.what)

@@ -688,11 +688,12 @@ class Receiver(PeerLoop[_ForRank]):
         """Tell the prefill rank of a READ decode gave up and kept that it may free the KV:
         until then it held its lease and served the READ (over TCP that takes its
         progress, which stops with its last lease)."""
-        spec = read.spec
-        peer = self.peers.peers.get((spec.prefill_host, spec.prefill_port + read.rank))
-        if peer is not None and peer.hello is not None:
-            done = self._read_done(spec, False, why)
-            self.peers.submit(self._ask, spec, read.rank, peer.client, done)
+        self._tell_read_done(read.spec, read.rank, self._read_done(read.spec, False, why))
+
+    def _tell_read_done(self, spec: RecvSpec, rank: int, done: ReadDone) -> None:
+        peer = self.peers.peers.get((spec.prefill_host, spec.prefill_port + rank))
+        if peer is not None and peer.hello is not None:  # never bother a refused peer
+            self.peers.submit(self._ask, spec, rank, peer.client, done)
 
     def _stop_reading(self, expecting: _Expecting, failed: ArrivalFailed) -> None:
         """Give up the transfer's READs still in flight and let prefill free its blocks. A
@@ -705,11 +706,8 @@ class Receiver(PeerLoop[_ForRank]):
         done = self._read_done(spec, False, reason)
         # forged coordinates may name another request's transfer: leave its lease alone
         for rank in () if expecting.forged else expecting.producers:
-            if rank in stuck:
-                continue  # told when its READ ends (`_let_prefill_free`)
-            peer = self.peers.peers.get((spec.prefill_host, spec.prefill_port + rank))
-            if peer is not None and peer.hello is not None:  # never bother a refused peer
-                self.peers.submit(self._ask, spec, rank, peer.client, done)
+            if rank not in stuck:  # else told when its READ ends (`_let_prefill_free`)
+                self._tell_read_done(spec, rank, done)
         for rank in failed.unsettled:
             if rank not in stuck:  # a READ kept in flight is fenced until it ends
                 self._outcomes(self.arrivals.settle(spec.transfer_id, spec.generation, rank))
