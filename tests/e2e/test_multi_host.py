@@ -641,7 +641,7 @@ def test_a_read_held_up_by_a_cut_link_lands_only_in_its_own_blocks(pair: Pair) -
     the link lets it), so it keeps the READ, and the request's blocks, until it ends. The
     link comes back within `fence_s`: the answer lands in the blocks it was meant for, and
     only then do they go back to vLLM. Nothing leaks, and the next request is answered.
-    Measured: the READ ended 1.1 s after the give-up (TCP's next retransmission)."""
+    Measured: the READ ended 1.1-3.1 s after the give-up, once the link was back."""
     if pair.mode != "pull":
         pytest.skip("pull only: a given-up WRITE is cut off instead (the test above)")
     after = fresh_prompt("pull after the held-up READ")
