@@ -18,12 +18,21 @@ NIXL progress, the pools of handshakes and messages, the stall watchdog) calls
 
 Where a free core is at hand, as on a GPU host, a woken thread runs on it at once under
 either policy. Elsewhere than Linux both policies are the default.
+
+`background()` also gives the thread its name in the OS (`native_name`: "kv:writer",
+"kv:control", ...), so that `top -H`, `ps -L`, `perf` and `/proc/PID/task/TID/comm` tell
+kvpush's threads from vLLM's: unnamed, every thread of a process shows the process's name
+("VLLM::Worker").
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
+import sys
+import threading
 
 log = logging.getLogger("kvpush.worker")
 
@@ -40,9 +49,48 @@ def configure(policy: str) -> None:
     _policy = policy
 
 
+# Linux's prctl option that names the calling thread (its `comm`, at most 15 bytes)
+_PR_SET_NAME = 15
+_COMM_MAX = 15
+
+
+def native_name(name: str) -> str:
+    """The OS name of kvpush thread `name` (Python's): "kv:" and the thread's role, within
+    Linux's 15 bytes. A worker process runs one part, so the role is enough: the mode
+    and the control port are left out, and the part's NIXL progress thread is
+    "kv:progress"."""
+    role = name.removeprefix("kvpush-")
+    if role.endswith("-target-progress"):
+        role = "progress"
+    for mode in ("push-", "pull-"):
+        role = role.removeprefix(mode)
+    if role.startswith("control-"):
+        role = "control"
+    return ("kv:" + role)[:_COMM_MAX]
+
+
+@functools.cache
+def _this_program() -> ctypes.CDLL:
+    """The symbols of this process, libc's among them (no search for libc's file)."""
+    return ctypes.CDLL(None)
+
+
+def _set_native_name(name: str) -> None:
+    """Name the calling thread in the OS (Linux; elsewhere nothing). Best effort: a name
+    is for people reading `top`, never worth an error."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        _this_program().prctl(_PR_SET_NAME, native_name(name).encode(errors="replace"), 0, 0, 0)
+    except (OSError, AttributeError) as exc:
+        log.debug("kvpush threads keep the process's name: %s", exc)
+
+
 def background() -> str:
-    """Called first by each kvpush thread: apply the process's policy to the calling
-    thread. Returns the policy in force ("normal" where the OS has no SCHED_BATCH)."""
+    """Called first by each kvpush thread: name it in the OS (`native_name`) and apply the
+    process's policy to it. Returns the policy in force ("normal" where the OS has no
+    SCHED_BATCH)."""
+    _set_native_name(threading.current_thread().name)
     if _policy != "batch" or not hasattr(os, "SCHED_BATCH"):
         return "normal"
     try:

@@ -1,6 +1,7 @@
 """Every kvpush thread takes the process's `thread_policy`: the OS's default policy, or
-with "batch" SCHED_BATCH (Linux), so that waking it never preempts the engine loop. Read
-back from the kernel, per thread."""
+with "batch" SCHED_BATCH (Linux), so that waking it never preempts the engine loop; and
+its name in the OS ("kv:..."), so that `top -H` tells it from vLLM's threads. Read back
+from the kernel, per thread."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +105,57 @@ def test_the_setting_is_checked_and_defaults_to_normal() -> None:
         KvpushConfig.from_extra({"thread_policy": "fifo", "insecure": True}, env={})
     with pytest.raises(ValueError, match="thread_policy"):
         threads.configure("idle")
+
+
+def comm_of(thread: threading.Thread) -> str:
+    policy_of(thread)  # waits for the thread to have started and set itself up
+    assert thread.native_id is not None
+    return Path(f"/proc/self/task/{thread.native_id}/comm").read_text().strip()
+
+
+@pytest.mark.parametrize(
+    ("name", "native"),
+    [
+        ("kvpush-push-writer", "kv:writer"),
+        ("kvpush-pull-leases", "kv:leases"),
+        ("kvpush-pull-reader", "kv:reader"),
+        ("kvpush-push-receiver", "kv:receiver"),
+        ("kvpush-pull-leases-target-progress", "kv:progress"),
+        ("kvpush-push-receiver-target-progress", "kv:progress"),
+        ("kvpush-control-25100", "kv:control"),
+        ("kvpush-message_1", "kv:message_1"),
+        ("kvpush-handshake_0", "kv:handshake_0"),
+        ("kvpush-direct", "kv:direct"),
+        ("kvpush-watchdog", "kv:watchdog"),
+        ("kvpush-a-name-longer-than-linux-keeps", "kv:a-name-longe"),
+    ],
+)
+def test_a_thread_s_name_in_the_os_is_its_role_in_15_bytes(name: str, native: str) -> None:
+    assert threads.native_name(name) == native
+    assert len(native.encode()) <= 15
+
+
+def test_every_kind_of_kvpush_thread_is_named_in_the_os() -> None:
+    """What `top -H` and /proc show for each: its role, not the process's name."""
+    loop = Idle(Results(), "kvpush-push-writer")
+    loop.start()
+    progress = TargetProgress(lambda: None, lambda: False, "kvpush-push-writer-target-progress")
+    progress.start()
+    try:
+        with ControlServer("127.0.0.1", 0, Recorder()) as server:
+            assert server._thread is not None
+            assert comm_of(server._thread) == "kv:control"
+        assert comm_of(loop) == "kv:writer"
+        assert comm_of(progress) == "kv:progress"
+        assert _Watchdog._instance is not None
+        assert comm_of(_Watchdog._instance) == "kv:watchdog"
+        peers: Peers[object] = Peers(None, queue.SimpleQueue(), "decode")  # type: ignore[arg-type]
+        own = Path("/proc/thread-self/comm")
+        for pool, prefix in ((peers.handshakes, "kv:handshake_"), (peers.messages, "kv:message_")):
+            assert pool.submit(own.read_text).result(timeout=5).startswith(prefix)
+            pool.shutdown()
+    finally:
+        loop.stop()
+        progress.stop()
+    # the caller's thread keeps its name
+    assert not Path("/proc/thread-self/comm").read_text().startswith("kv:")
