@@ -5,11 +5,14 @@ from the kernel, per thread."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,36 @@ class Idle(Loop):
         return None
 
 
+@dataclass(frozen=True)
+class Started:
+    """One running thread of each kind kvpush starts in a vLLM process."""
+
+    loop: Loop
+    progress: TargetProgress
+    control: threading.Thread
+    pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor]  # handshakes, messages
+
+
+@contextlib.contextmanager
+def every_kind_of_thread(loop_name: str) -> Iterator[Started]:
+    """A part's loop named `loop_name`, its target progress, a control server and a
+    peer set's two pools (the stall watchdog comes with the first loop)."""
+    loop = Idle(Results(), loop_name)
+    loop.start()
+    progress = TargetProgress(lambda: None, lambda: False, f"{loop_name}-target-progress")
+    progress.start()
+    peers: Peers[object] = Peers(None, queue.SimpleQueue(), "decode")  # type: ignore[arg-type]
+    try:
+        with ControlServer("127.0.0.1", 0, Recorder()) as server:
+            assert server._thread is not None
+            yield Started(loop, progress, server._thread, (peers.handshakes, peers.messages))
+    finally:
+        loop.stop()
+        progress.stop()
+        peers.handshakes.shutdown()
+        peers.messages.shutdown()
+
+
 def policy_of(thread: threading.Thread) -> int:
     deadline = time.monotonic() + 5
     while thread.native_id is None and time.monotonic() < deadline:
@@ -60,24 +93,12 @@ def policy_of(thread: threading.Thread) -> int:
 def test_every_kind_of_kvpush_thread_takes_the_policy(policy: str, expected: str) -> None:
     threads.configure(policy)
     want = getattr(os, expected)
-    loop = Idle(Results(), "kvpush-test-loop")
-    loop.start()
-    progress = TargetProgress(lambda: None, lambda: False, "kvpush-test-progress")
-    progress.start()
-    try:
-        with ControlServer("127.0.0.1", 0, Recorder()) as server:
-            assert server._thread is not None
-            assert policy_of(server._thread) == want
-        assert policy_of(loop) == want
-        assert policy_of(progress) == want
+    with every_kind_of_thread("kvpush-test-loop") as started:
+        for thread in (started.control, started.loop, started.progress):
+            assert policy_of(thread) == want
         # the pools of handshakes and of messages that may block on a peer
-        peers: Peers[object] = Peers(None, queue.SimpleQueue(), "decode")  # type: ignore[arg-type]
-        for pool in (peers.handshakes, peers.messages):
+        for pool in started.pools:
             assert pool.submit(os.sched_getscheduler, 0).result(timeout=5) == want
-            pool.shutdown()
-    finally:
-        loop.stop()
-        progress.stop()
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread: untouched
 
 
@@ -137,25 +158,14 @@ def test_a_thread_s_name_in_the_os_is_its_role_in_15_bytes(name: str, native: st
 
 def test_every_kind_of_kvpush_thread_is_named_in_the_os() -> None:
     """What `top -H` and /proc show for each: its role, not the process's name."""
-    loop = Idle(Results(), "kvpush-push-writer")
-    loop.start()
-    progress = TargetProgress(lambda: None, lambda: False, "kvpush-push-writer-target-progress")
-    progress.start()
-    try:
-        with ControlServer("127.0.0.1", 0, Recorder()) as server:
-            assert server._thread is not None
-            assert comm_of(server._thread) == "kv:control"
-        assert comm_of(loop) == "kv:writer"
-        assert comm_of(progress) == "kv:progress"
+    with every_kind_of_thread("kvpush-push-writer") as started:
+        assert comm_of(started.control) == "kv:control"
+        assert comm_of(started.loop) == "kv:writer"
+        assert comm_of(started.progress) == "kv:progress"
         assert _Watchdog._instance is not None
         assert comm_of(_Watchdog._instance) == "kv:watchdog"
-        peers: Peers[object] = Peers(None, queue.SimpleQueue(), "decode")  # type: ignore[arg-type]
         own = Path("/proc/thread-self/comm")
-        for pool, prefix in ((peers.handshakes, "kv:handshake_"), (peers.messages, "kv:message_")):
+        for pool, prefix in zip(started.pools, ("kv:handshake_", "kv:message_"), strict=True):
             assert pool.submit(own.read_text).result(timeout=5).startswith(prefix)
-            pool.shutdown()
-    finally:
-        loop.stop()
-        progress.stop()
     # the caller's thread keeps its name
     assert not Path("/proc/thread-self/comm").read_text().startswith("kv:")
