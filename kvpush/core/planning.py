@@ -24,6 +24,7 @@ head comes from exactly one producer, replicas taking turns across consumers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -136,8 +137,12 @@ class KVLayout:
         """The contiguous (offset, length) runs one block's cells make, in address order.
 
         One run when a block is dense (vLLM's block-contiguous layouts), one per head when
-        heads sit outside blocks, one per cell in the worst case.
+        heads sit outside blocks, one per cell in the worst case. Worked out once per
+        layout: every transfer asks, on the thread that posts it.
         """
+        return _block_chunks(self)
+
+    def _chunks(self) -> tuple[tuple[int, int], ...]:
         dims = sorted(
             ((s, n) for s, n in ((self.token_stride, self.block_size),
                                  (self.head_stride, self.num_heads)) if n > 1),
@@ -159,6 +164,11 @@ class KVLayout:
         if outer_stride == inner:
             return ((0, inner * outer_count),)
         return tuple((i * outer_stride, inner) for i in range(outer_count))
+
+
+@functools.lru_cache(maxsize=64)
+def _block_chunks(layout: KVLayout) -> tuple[tuple[int, int], ...]:
+    return layout._chunks()
 
 
 def _overlap(layout: KVLayout) -> str | None:
@@ -447,8 +457,9 @@ def _check_rank(side: str, rank: int, tp_size: int) -> None:
 
 def check_block_ids(side: str, layout: KVLayout, block_ids: Sequence[int]) -> None:
     """Block ids a transfer names must be distinct scheduler blocks of `layout`."""
-    bad = [b for b in block_ids if not 0 <= b < layout.scheduler_blocks]
-    if bad:
+    limit = layout.scheduler_blocks
+    if len(block_ids) and not (min(block_ids) >= 0 and max(block_ids) < limit):
+        bad = [b for b in block_ids if not 0 <= b < limit]
         raise PlanError(
             f"{side} block ids {bad[:5]} are outside the {layout.scheduler_blocks} "
             "registered blocks"

@@ -512,6 +512,8 @@ class NixlTransport:
                 f"{op} names {len(local_idx)} local and {len(remote_idx)} remote blocks; "
                 "they pair up one to one"
             )
+        local_idx = np.asarray(local_idx, dtype=np.int32)
+        remote_idx = np.asarray(remote_idx, dtype=np.int32)
         with self._lock:
             self._require_peer(peer)
             prepared = self._peers[peer]
@@ -523,7 +525,7 @@ class NixlTransport:
                 ("local", local_idx, prepared.num_local),
                 ("remote", remote_idx, prepared.num_remote),
             ):
-                if len(idx) and (int(np.min(idx)) < 0 or int(np.max(idx)) >= size):
+                if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= size):
                     raise ValueError(
                         f"{op}: {side} block index outside the {size} prepared blocks"
                     )
@@ -537,9 +539,9 @@ class NixlTransport:
             handle = agent.make_prepped_xfer(
                 op,
                 prepared.local,
-                np.asarray(local_idx, dtype=np.int32),
+                local_idx,
                 prepared.remote,
-                np.asarray(remote_idx, dtype=np.int32),
+                remote_idx,
                 notif,
             )
         except Exception as exc:

@@ -6,6 +6,7 @@ every piece of every block once per peer, and a transfer names pieces by index.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,17 +43,25 @@ def piece_indices(layout: KVLayout, block_ids: Sequence[int]) -> Indices:
     Built with numpy: a long prompt on a real model names regions x blocks pieces (64 x
     1,024 for 16k tokens of a 32-layer model with K and V apart), which a Python loop
     took ~70 ms to list on the thread that posts the transfer, holding the GIL."""
+    per_block, within_block, regions = _index_parts(layout)
+    blocks = np.asarray(block_ids, dtype=np.int64) * per_block
+    within = (blocks[:, None] + within_block).reshape(-1)  # block, then sub-block and piece
+    indices: np.ndarray[Any, np.dtype[np.int32]] = (regions + within).reshape(-1).astype(np.int32)
+    return indices
+
+
+@functools.lru_cache(maxsize=64)
+def _index_parts(layout: KVLayout) -> tuple[int, Any, Any]:
+    """What `piece_indices` needs of `layout`, worked out once: pieces per scheduler block,
+    each piece's offset within its block's run, each region's first index (a column)."""
     chunks = len(layout.block_chunks())
-    sub = layout.sub_blocks
     per_region = layout.num_blocks * chunks
     if layout.num_regions * per_region > MAX_PIECES:
         raise ValueError(
             f"{layout.num_regions} regions x {per_region} pieces exceed the "
             f"{MAX_PIECES} NIXL can index"
         )
-    blocks = np.asarray(block_ids, dtype=np.int64)
-    cells = (blocks[:, None] * sub + np.arange(sub)) * chunks  # [block, sub-block]
-    within = (cells[:, :, None] + np.arange(chunks)).reshape(-1)  # ... then piece
+    per_block = layout.sub_blocks * chunks
+    within_block = np.arange(per_block, dtype=np.int64)
     regions = np.arange(layout.num_regions, dtype=np.int64)[:, None] * per_region
-    indices: np.ndarray[Any, np.dtype[np.int32]] = (regions + within).reshape(-1).astype(np.int32)
-    return indices
+    return per_block, within_block, regions

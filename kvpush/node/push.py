@@ -258,6 +258,8 @@ class PushWriter(PeerLoop[StartWrite]):
             del self.registered_at[oldest[0]]
 
     def act(self, actions: list[Any]) -> None:
+        if not actions:  # most calls (every step's `expire`): nothing to do or count
+            return
         for action in actions:
             if isinstance(action, StartWrite):
                 self._start(action)
@@ -297,7 +299,8 @@ class PushWriter(PeerLoop[StartWrite]):
             log.info("released KV of %s: %s", local.request_id, reason)
 
     def _count_failures(self) -> None:
-        """Export the state machine's failure counters as `failures{kind}`."""
+        """Export the state machine's failure counters as `failures{kind}` (each failure
+        the state machine counts comes with an action)."""
         stats = self.rendezvous.stats
         for name, kind in _FAILURE_STATS.items():
             new = getattr(stats, name) - self._counted[name]
