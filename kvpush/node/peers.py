@@ -50,6 +50,9 @@ J = TypeVar("J")
 Op = Literal["WRITE", "READ"]
 _FIRST_POLL_S = 20e-6
 _MAX_POLL_S = 1e-3
+# Only transfers given up left (kept until they end, maybe for as long as a link is down):
+# polled less often, which is also how often the owner's NIXL agent progresses for them.
+_GIVEN_UP_POLL_S = 0.05
 HELLO_TIMEOUT_S = 10.0  # one try at a handshake (see Peers._ask_hello for the retries)
 
 
@@ -472,7 +475,8 @@ class InFlight(Generic[J]):
         """How long the owner may sleep: a little longer each idle round, None when idle."""
         if not self.moving and not self.given_up:
             return None
-        self._sleep = min(max(self._sleep * 2, _FIRST_POLL_S), _MAX_POLL_S)
+        most = _MAX_POLL_S if self.moving else _GIVEN_UP_POLL_S
+        self._sleep = min(max(self._sleep * 2, _FIRST_POLL_S), most)
         return self._sleep
 
     def poll(

@@ -28,7 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kvpush.core import planning
-from kvpush.core.arrivals import ArrivalFailed, Arrivals, Arrived, Outcome
+from kvpush.core.arrivals import ArrivalFailed, Arrivals, Arrived, Outcome, Released
 from kvpush.core.deadlines import Deadlines
 from kvpush.core.planning import PlanError
 from kvpush.core.protocol import (
@@ -163,12 +163,14 @@ class Receiver(PeerLoop[_ForRank]):
         self.hold_renewals: Deadlines[_Holding] = Deadlines()
         # push: transfers a prefill rank said it is writing (`Writing`), until they settle
         self.writing: set[str] = set()
+        # pull: failed transfers past their fence whose blocks wait for a READ to end
+        self.outlived: dict[RecvSpec, _Expecting] = {}
         self._next_watch = 0.0
 
     def gauges(self) -> dict[str, float]:
         return {
             "decode_waiting_transfers": self.arrivals.pending - self.arrivals.fenced,
-            "decode_fenced_transfers": self.arrivals.fenced,
+            "decode_fenced_transfers": self.arrivals.fenced + len(self.outlived),
             "decode_reads_in_flight": len(self.inflight),
             "decode_requests_without_blocks": len(self.holding),
         }
@@ -332,9 +334,11 @@ class Receiver(PeerLoop[_ForRank]):
                 self._failed(expecting, outcome)
                 continue
             del self.expecting[outcome.transfer_id]
-            expecting.alive = False
             spec, results = expecting.spec, self.results
-            self._let_go_reads(spec)
+            if isinstance(outcome, Released) and outcome.by_time and self._reads_kept(spec):
+                self._outlive(expecting)  # renewals go on while its READs may be answered
+                continue
+            expecting.alive = False
             if isinstance(outcome, Arrived):
                 results.received(spec.request_id)
                 results.observe(wait_s=time.monotonic() - expecting.started)
@@ -669,20 +673,38 @@ class Receiver(PeerLoop[_ForRank]):
             f"failed: {failure}" if failure else "complete",
         )
         self._let_prefill_free(read, "the READ decode gave up has ended")
-        self._outcomes(self.arrivals.settle(read.spec.transfer_id, read.spec.generation, read.rank))
+        spec = read.spec
+        self._outcomes(self.arrivals.settle(spec.transfer_id, spec.generation, read.rank))
+        expecting = self.outlived.get(spec)
+        if expecting is not None and not self._reads_kept(spec):
+            # it outlived the fence; now nothing more of it can land
+            del self.outlived[spec]
+            expecting.alive = False
+            self.results.received(spec.request_id, () if expecting.aborted else spec.block_ids)
 
-    def _let_go_reads(self, spec: RecvSpec) -> None:
-        """The fence ran out on READs given up that never ended: release them."""
-        for moving in self.inflight.let_go(lambda read: read.spec is spec):
-            log.warning(
-                "request %s: %s, given up %.1f s ago, has not ended; its blocks go back now, "
-                "and over TCP its answer may still land in them (a link down longer than "
-                "fence_s: README, Failures and security)",
-                spec.request_id,
-                moving.transfer.what,
-                time.monotonic() - moving.given_up,
-            )
-            self._let_prefill_free(moving.job, "decode gave up its READ; it did not end")
+    def _reads_kept(self, spec: RecvSpec) -> bool:
+        """Whether a READ of `spec` that decode gave up may still land (kept until it ends)."""
+        return any(moving.job.spec is spec for moving in self.inflight.given_up)
+
+    def _outlive(self, expecting: _Expecting) -> None:
+        """Pull: the fence ran out while a READ decode gave up has not ended: over TCP its
+        answer lands whenever the link lets it, whole, released or not (NIXL cannot recall
+        it). The blocks stay out of vLLM's hands until it ends (`_given_up_read_ended`),
+        however long that is: a request that waits is better than another request's KV
+        overwritten. Its prefill rank is renewed meanwhile, so that it keeps the KV the
+        READ reads and answers it once the link is back."""
+        spec = expecting.spec
+        self.outlived[spec] = expecting
+        self.results.count("failures", "read_outlived_fence")
+        log.warning(
+            "request %s: a READ decode gave up has not ended %g s past the transfer's "
+            "deadline (fence_s; the link to prefill %s:%d down?); its blocks stay unused "
+            "until it ends, as its answer may still land in them",
+            spec.request_id,
+            self.ctx.config.fence_s,
+            spec.prefill_host,
+            spec.prefill_port,
+        )
 
     def _let_prefill_free(self, read: _ForRank, why: str) -> None:
         """Tell the prefill rank of a READ decode gave up and kept that it may free the KV:

@@ -663,6 +663,40 @@ def test_a_read_held_up_by_a_cut_link_lands_only_in_its_own_blocks(pair: Pair) -
     )
 
 
+def test_a_read_held_up_past_the_fence_keeps_its_blocks_until_it_ends(pair: Pair) -> None:
+    """Pull, the link down longer than `fence_s` past decode's deadline: the READ decode
+    gave up has not ended when the fence runs out, and its answer would still land once the
+    link returns (NIXL cannot recall it). Decode keeps the request's blocks out of vLLM's
+    hands until the READ ended, however long: nothing of it can land in another request's.
+    Once the link is back the READ ends, the blocks go back, nothing leaks, and the next
+    request is answered right."""
+    if pair.mode != "pull":
+        pytest.skip("pull only: push cuts a given-up WRITE off instead")
+    after = fresh_prompt("pull after the READ that outlived its fence")
+    alone = {**completion(pair.model, after), "cache_salt": "alone-outlived"}
+    expected = post_json(pair.prefill.url + "/v1/completions", alone)
+    outlived = "its blocks stay unused until it ends"
+    bound = TRANSFER_TIMEOUT_S + PULL_FENCE_S + SLACK_S + 5
+    held = held_up(pair, "READ", outlived, bound)
+    assert held.after_s > TRANSFER_TIMEOUT_S + PULL_FENCE_S - 1, held
+    log = pair.decode.log_text()[held.mark :]
+    assert "has not ended; its blocks go back" not in log
+    nxt_took, tries = answered_after_the_cut(pair, after, expected, "outlived")
+    ended_line = re.compile(r"given up ([\d.]+) s before, ended \((complete|failed[^)]*)\)")
+    deadline = time.monotonic() + 30
+    while not (ended := ended_line.search(pair.decode.log_text()[held.mark :])):
+        assert time.monotonic() < deadline, f"the READ never ended:\n{log_tail(pair.decode.log)}"
+        time.sleep(0.2)
+    idle = idle_after(pair, timeout=LEASE_S + 15)
+    assert pair.prefill.proc is not None and pair.prefill.proc.poll() is None, "prefill died"
+    report(
+        f"HOSTS pull READ past its fence: decode held its blocks {held.after_s:.1f} s after "
+        f"the link went down (deadline + fence); the link back, the READ ended {ended[1]} s "
+        f"after the give-up ({ended[2]}); client got HTTP {held.status}; next request ok in "
+        f"{nxt_took:.2f} s ({tries} tries); KV usage 0 on both {idle:.1f} s later"
+    )
+
+
 def failure_kinds(server: Server) -> str:
     samples = server.metrics()
     kinds = {

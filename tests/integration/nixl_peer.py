@@ -23,7 +23,8 @@ namespaces while the test process in the middle relays what they exchange:
   reader     MIB: as the canceller, but READs the target's whole memory into its own
              (zeros) and answers "release", then "digest" (of its own memory) and
              "progress" (calls into NIXL for 2 s, as kvpush's decode does while it polls
-             other transfers) lines
+             other transfers) lines; "poll SECONDS" polls the READ, unreleased, for up to
+             that long and prints {"ended": "done", an error kind, or null, "after_s"}
 """
 
 from __future__ import annotations
@@ -136,6 +137,19 @@ def _release(transfer: Transfer) -> None:
     _say({"released": transfer.release(), "done": done})
 
 
+def _until_ended(transfer: Transfer, seconds: float) -> dict[str, object]:
+    """Poll `transfer`, unreleased, for up to `seconds`: how it ended and when, if it did."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        try:
+            if transfer.poll():
+                return {"ended": "done", "after_s": time.monotonic() - started}
+        except TransferError as exc:
+            return {"ended": exc.kind, "after_s": time.monotonic() - started, "error": str(exc)}
+        time.sleep(0.05)
+    return {"ended": None, "after_s": time.monotonic() - started}
+
+
 def reader(mib: int) -> None:
     regions = [np.zeros(mib * 2**20 // REGIONS, dtype=np.uint8) for _ in range(REGIONS)]
     with NixlTransport("bw-reader") as transport:
@@ -152,6 +166,8 @@ def reader(mib: int) -> None:
                 _release(transfer)
             elif words[:1] == ["digest"]:
                 _say({"digest": _digest(regions)})
+            elif words[:1] == ["poll"]:
+                _say(_until_ended(transfer, float(words[1])))
             elif words[:1] == ["progress"]:
                 until = time.monotonic() + 2.0
                 while time.monotonic() < until:

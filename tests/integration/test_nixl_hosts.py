@@ -15,7 +15,8 @@ And it pins down why kvpush's decode (push) cuts the NIXL connections from a pre
 before it reuses the blocks of a WRITE given up unfinished: a WRITE released (cancelled)
 while the link is cut still lands once the link returns (an expected failure), and with
 the cut nothing does. A READ released the same way (pull) is answered whole once the link
-returns (an expected failure, open).
+returns (an expected failure); unreleased, it stays in flight while the link is down and
+ends once it is back, which is when kvpush's decode gives its blocks back.
 
 About a minute (each process spends ~7 s loading NIXL; the two ends start together).
 """
@@ -113,6 +114,28 @@ def transfer(
                 proc.wait()
 
 
+def ask(proc: subprocess.Popen[str], line: str) -> dict[str, Any]:
+    """Send a peer one line; its answer."""
+    assert proc.stdin and proc.stdout
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return reply(proc.stdout)
+
+
+def stop(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """Ask each peer to exit, and kill one that does not within 30 s."""
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.write("exit\n")
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def kill(procs: Sequence[subprocess.Popen[str]]) -> None:
     for proc in procs:
         proc.kill()
@@ -164,8 +187,9 @@ LANDS = "UCX's TCP transport does not recall a released transfer: lands when the
     [
         pytest.param("WRITE", False, marks=pytest.mark.xfail(reason=LANDS, strict=False)),
         ("WRITE", True),
-        # open: pull's decode does not cut (a reader cutting while the link is down made
-        # the source's UCX abort with "Endpoint timeout" once it returned)
+        # pull's decode does not cut (a reader cutting while the link is down made the
+        # source's UCX abort with "Endpoint timeout" once it returned): it keeps the READ's
+        # blocks until the READ ended (the test below)
         pytest.param("READ", False, marks=pytest.mark.xfail(reason=LANDS, strict=False)),
     ],
     ids=["write-as-nixl-leaves-it", "write-target-cuts", "read-as-nixl-leaves-it"],
@@ -198,12 +222,6 @@ def test_a_transfer_cancelled_while_the_link_is_down_never_lands(
     # the side the bytes land in, and the peer whose connections it cuts
     receiver, other = (target, b) if write else (initiator, a)
 
-    def ask(proc: subprocess.Popen[str], line: str) -> dict[str, Any]:
-        assert proc.stdin and proc.stdout
-        proc.stdin.write(line + "\n")
-        proc.stdin.flush()
-        return reply(proc.stdout)
-
     try:
         assert target.stdout is not None
         assert ask(initiator, json.dumps(reply(target.stdout))) == {"posted": True}
@@ -226,13 +244,46 @@ def test_a_transfer_cancelled_while_the_link_is_down_never_lands(
     finally:
         hosts.restore(b)
         watchdog.cancel()
-        for proc in procs:
-            with contextlib.suppress(OSError):
-                assert proc.stdin is not None
-                proc.stdin.write("exit\n")
-                proc.stdin.close()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(procs)
+
+
+OUTAGE_S = 12.0  # longer than kvpush's default fence_s (5 s) past a deadline
+
+
+def test_a_read_stays_in_flight_while_the_link_is_down_and_ends_once_it_is_back(
+    hosts: netns.Hosts,
+) -> None:
+    """What kvpush's decode (pull) relies on to hold a given-up READ's blocks until it
+    ends: over TCP, UCX neither completes nor fails a READ while the link is down (120 s
+    measured by hand, 2026-12-07), and it ends, complete, soon after the link returns.
+    Host B, the reader's, loses its link."""
+    a, b = hosts
+    peer = [sys.executable, "-m", "tests.integration.nixl_peer"]
+    pipes: dict[str, Any] = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    run = {**os.environ, **netns.UCX_ENV, "PYTHONPATH": str(ROOT)}
+    target = subprocess.Popen(
+        a.command([*peer, "target", str(CANCEL_MIB), "full"]), cwd=ROOT, env=run, **pipes
+    )
+    reader = subprocess.Popen(
+        b.command([*peer, "reader", str(CANCEL_MIB)]), cwd=ROOT, env=run, **pipes
+    )
+    procs = (reader, target)
+    watchdog = threading.Timer(BOUND_S, kill, [procs])
+    watchdog.start()
+
+    try:
+        assert target.stdout is not None
+        assert ask(reader, json.dumps(reply(target.stdout))) == {"posted": True}
+        hosts.cut(b)
+        during = ask(reader, f"poll {OUTAGE_S}")
+        assert during["ended"] is None, f"the READ ended while the link was down: {during}"
+        hosts.restore(b)
+        after = ask(reader, "poll 30")
+        assert after["ended"] == "done", after
+        assert target.poll() is None, "the source died"
+        print(f"READ over a link down {OUTAGE_S:g} s: ended {after['after_s']:.1f} s after it "
+              "was back")  # fmt: skip
+    finally:
+        hosts.restore(b)
+        watchdog.cancel()
+        stop(procs)

@@ -528,6 +528,30 @@ def test_pull_read_posted_after_its_deadline_times_out_from_the_start(
     assert pair.decode.worker.stats_data()["failures"].get("transfer_timeout") == 1
 
 
+def test_pull_read_given_up_keeps_the_blocks_past_the_fence_until_it_ends(
+    pair_factory: object,
+) -> None:
+    """A READ decode gave up at its deadline that has not ended when the fence runs out
+    (over TCP: the link down longer than fence_s) may still land, whole: decode reports the
+    request, so that vLLM reuses its blocks, only once the READ ended, however late. Here
+    the test hook holds the READ's completion 2 s: deadline 0.4 s, fence 0.4 s."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(faults="delay_write=2.0", transfer_timeout_s=0.4, fence_s=0.4)
+    pair.start("t1-fault-delay_write")
+    receiver = pair.decode.worker.part
+    assert receiver is not None
+    past_fence = time.monotonic() + 1.2
+    pair.run_until(lambda: time.monotonic() > past_fence)
+    assert not pair.decode.recving, "the blocks went back while the READ could still land"
+    assert receiver.gauges()["decode_fenced_transfers"] == 1
+    took = pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert took + 1.2 > 1.9, "reported once the READ ended, 2 s after it was posted"
+    assert pair.decode.load_errors == {1, 9, 3}
+    assert receiver.gauges()["decode_fenced_transfers"] == 0
+    failures = pair.decode.worker.stats_data()["failures"]
+    assert failures == {"transfer_timeout": 1, "receive_failed": 1, "read_outlived_fence": 1}
+
+
 def test_push_prefill_that_stays_silent_is_fenced_then_released_by_time(
     pair_factory: object,
 ) -> None:

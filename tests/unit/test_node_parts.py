@@ -499,19 +499,30 @@ def test_pull_decode_keeps_its_blocks_until_a_read_it_gave_up_ended(
     assert "fence_timeout" not in decode.worker.stats_data()["failures"]
 
 
-def test_pull_decode_lets_a_read_it_gave_up_go_at_the_fence(
+def test_pull_decode_keeps_the_blocks_of_a_read_that_outlives_the_fence(
     nodes: Callable[..., tuple[Node, Node]],
 ) -> None:
-    """A READ that never ends holds the blocks up to `fence_s` after the deadline."""
-    prefill, decode = nodes("pull", transfer_timeout_s=0.5, fence_s=1.0)
+    """A READ that has not ended `fence_s` after the deadline (a link down that long)
+    still holds the blocks: its answer would land whenever the link returns. They go back
+    when it ends, and the fence running out is counted and shown as fenced."""
+    prefill, decode = nodes("pull", transfer_timeout_s=0.5, fence_s=0.5)
     decode.transport.hold = True
     prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
     decode.step(recv=(recv_spec(prefill, (1, 9, 3)),))
-    took = run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    run_until((prefill, decode), lambda: bool(decode.transport.posted))
+    past_fence = time.monotonic() + 1.5
+    run_until((prefill, decode), lambda: time.monotonic() > past_fence)
     (read,) = decode.transport.posted
-    assert 1.3 < took < 3.0, f"given back {took:.2f} s in: at the deadline and the fence"
-    assert read.released and not read.moved and decode.load_errors == {1, 9, 3}
-    assert decode.worker.stats_data()["failures"].get("fence_timeout") == 1
+    assert not decode.recving and not read.released, "blocks given back past the fence"
+    assert decode.worker.stats_data()["failures"].get("read_outlived_fence") == 1
+    receiver = decode.worker.part
+    assert receiver is not None and receiver.gauges()["decode_fenced_transfers"] == 1
+    decode.transport.hold = False  # the link is back: the answer lands, in its own blocks
+    took = run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    assert took < 1.0, f"given back {took:.2f} s after the READ ended"
+    assert read.moved and read.released and decode.load_errors == {1, 9, 3}
+    assert receiver.gauges()["decode_fenced_transfers"] == 0
+    assert "fence_timeout" not in decode.worker.stats_data()["failures"]
 
 
 # -- registrations bind to the incarnation that handshook on their connection ----------
