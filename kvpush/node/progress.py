@@ -20,8 +20,9 @@ thread, so "may be under way" is kept narrow:
   12 --concurrency 3`, 5.7 ms with decode's progress switched off by hand (loopback, where
   shared memory needs none), 6.7 ms with this rule;
 - prefill in pull: while it holds leases (decode may READ them at any time), and for
-  `transfer_timeout_s + fence_s` after one expired (its decode may still have a READ of
-  it pending, which it keeps that long: `LeaseKeeper.serve_until`).
+  `transfer_timeout_s + fence_s` after one expired or after a decode renewed a lease no
+  longer held (its decode may still have a READ of it pending, which it keeps, renewing,
+  until it ends: `LeaseKeeper.serve_until`).
 The part wakes the thread (`on_target`) when that starts, and nothing else does. It stops
 once nothing is in flight and `LINGER_S` passed since the last wake. While running it calls
 NIXL every `INTERVAL_S`: one short call, which is all the TCP transport needs to keep

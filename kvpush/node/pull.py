@@ -41,11 +41,12 @@ class LeaseKeeper(PeerLoop[None]):
         super().__init__(ctx, "kvpush-pull-leases", "decode")
         self.leases = Leases(ctx.config.lease_s)
         self.lock = threading.Lock()
-        # Target progress runs while leases are held, and until then after one expired:
-        # its decode went silent (a link down, say), and may still have a READ of it
-        # pending, which it keeps until it ends (up to its deadline and fence). Served now,
-        # the READ ends into the blocks decode still holds for it; left unserved until the
-        # next lease woke the progress, it would land after decode reused them.
+        # Target progress runs while leases are held, and until then after one expired, or
+        # after a decode renewed a lease no longer held: its decode went silent (a link
+        # down, say), and may still have a READ of it pending, which it keeps, renewing,
+        # until it ends, its blocks unused meanwhile. Served now, the READ ends into those
+        # blocks and decode gives them back; left unserved until the next lease woke the
+        # progress, it would hold them that long.
         self.serve_until = 0.0
         config = ctx.config
         self._serve_s = config.transfer_timeout_s + config.fence_s
@@ -110,6 +111,9 @@ class LeaseKeeper(PeerLoop[None]):
         if verdict == "not_yet":
             return Wait(msg.transfer_id, msg.generation)
         log.warning("%s from decode refused: %s", type(msg).__name__, problem)
+        if isinstance(msg, LeaseRenew):  # decode may keep a READ of it: answer that READ
+            self.serve_until = max(self.serve_until, now + self._serve_s)
+            self.on_target()
         return Cancel(msg.transfer_id, msg.generation, problem[:MAX_TEXT_LEN])
 
     def _absorb(self, now: float) -> None:

@@ -606,6 +606,16 @@ class Receiver(PeerLoop[_ForRank]):
             self._read_failed(read, why, "bad_grant")
             return
         assert peer.hello is not None
+        outlived = self._outlived_read_from(spec.prefill_host, spec.prefill_port + read.rank)
+        if outlived is not None:
+            # its link was down past a fence and may still be: a new READ would be kept too,
+            # with its blocks, so fail fast until the old one ended (the link is back)
+            why = (
+                f"prefill {peer} has not answered the READ of request {outlived} since its "
+                "fence ran out (the link down?); nothing is read from it until it has"
+            )
+            self._read_failed(read, why, "peer_unreachable")
+            return
         if spec.remote_engine_id and peer.hello.engine_id != spec.remote_engine_id:
             why = (
                 f"kv_transfer_params name prefill {spec.remote_engine_id}, but "
@@ -686,13 +696,28 @@ class Receiver(PeerLoop[_ForRank]):
         """Whether a READ of `spec` that decode gave up may still land (kept until it ends)."""
         return any(moving.job.spec is spec for moving in self.inflight.given_up)
 
+    def _outlived_read_from(self, host: str, port: int) -> str | None:
+        """The request of a READ from the prefill rank at `host:port` that outlived its
+        fence and has not ended (None: there is none)."""
+        for moving in self.inflight.given_up:
+            spec = moving.job.spec
+            if (
+                spec in self.outlived
+                and spec.prefill_host == host
+                and spec.prefill_port + moving.job.rank == port
+            ):
+                return spec.request_id
+        return None
+
     def _outlive(self, expecting: _Expecting) -> None:
         """Pull: the fence ran out while a READ decode gave up has not ended: over TCP its
         answer lands whenever the link lets it, whole, released or not (NIXL cannot recall
         it). The blocks stay out of vLLM's hands until it ends (`_given_up_read_ended`),
         however long that is: a request that waits is better than another request's KV
         overwritten. Its prefill rank is renewed meanwhile, so that it keeps the KV the
-        READ reads and answers it once the link is back."""
+        READ reads and answers it once the link is back; no new READ goes to that rank
+        until then (`_post_read`), so an outage holds only the blocks of the READs under
+        way when it began."""
         spec = expecting.spec
         self.outlived[spec] = expecting
         self.results.count("failures", "read_outlived_fence")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvpush.core.protocol import Cancel, Hello, Registration
+from kvpush.core.protocol import Cancel, Hello, LeaseRenew, ReadDone, Registration
 from kvpush.core.rendezvous import Rendezvous
 from kvpush.dataplane.control import ControlClient, ControlServer
 from kvpush.dataplane.transport import Indices, Pieces, TransferError
@@ -517,12 +517,25 @@ def test_pull_decode_keeps_the_blocks_of_a_read_that_outlives_the_fence(
     assert decode.worker.stats_data()["failures"].get("read_outlived_fence") == 1
     receiver = decode.worker.part
     assert receiver is not None and receiver.gauges()["decode_fenced_transfers"] == 1
+    # meanwhile nothing more is read from that prefill: it fails fast, holding nothing
+    prefill.step(send=(SendSpec("t2", "p2", (2, 4), NUM_TOKENS),))
+    t2 = dataclasses.replace(recv_spec(prefill, (5, 6, 7)), transfer_id="t2", request_id="d2")
+    decode.step(recv=(t2,))
+    run_until((prefill, decode), lambda: "d2" in decode.recving)
+    assert len(decode.transport.posted) == 1, "a READ went to the prefill that is cut off"
+    assert decode.load_errors == {5, 6, 7}
+    assert decode.worker.stats_data()["failures"].get("peer_unreachable") == 1
     decode.transport.hold = False  # the link is back: the answer lands, in its own blocks
-    took = run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
+    took = run_until((prefill, decode), lambda: bool("d1" in decode.recving and prefill.sending))
     assert took < 1.0, f"given back {took:.2f} s after the READ ended"
-    assert read.moved and read.released and decode.load_errors == {1, 9, 3}
+    assert read.moved and read.released and decode.load_errors == {1, 9, 3, 5, 6, 7}
     assert receiver.gauges()["decode_fenced_transfers"] == 0
     assert "fence_timeout" not in decode.worker.stats_data()["failures"]
+    prefill.step(send=(SendSpec("t3", "p3", (2, 4), NUM_TOKENS),))
+    t3 = dataclasses.replace(recv_spec(prefill, (8, 10, 11)), transfer_id="t3", request_id="d3")
+    decode.step(recv=(t3,))
+    run_until((prefill, decode), lambda: "d3" in decode.recving)
+    assert len(decode.transport.posted) == 2 and decode.load_errors == {1, 9, 3, 5, 6, 7}
 
 
 # -- registrations bind to the incarnation that handshook on their connection ----------
@@ -669,6 +682,31 @@ def test_pull_prefill_serves_a_silent_decode_past_the_lease_end(
     expired = time.monotonic()
     assert events == ["target", "target"]
     assert expired + 1.0 < part.serve_until <= expired + 1.5
+
+
+def test_pull_prefill_serves_a_decode_that_renews_a_lease_no_longer_held(
+    nodes: Callable[..., tuple[Node, Node]],
+) -> None:
+    """A decode renews a lease only while it waits for the KV or keeps a READ of it, maybe
+    past its fence (the link was down that long): a renewal that comes after the lease
+    ended is refused and restarts prefill's target progress, so that READ is served once
+    the link is back, not when the next lease wakes the progress."""
+    prefill, _ = nodes("pull", lease_s=0.2, transfer_timeout_s=1.0, fence_s=0.5)
+    events: list[str] = []
+    part = prefill.worker.part
+    assert isinstance(part, LeaseKeeper)
+    part.on_target = lambda: events.append("target")
+    prefill.step(send=(SendSpec("t1", "p1", PREFILL_BLOCKS, NUM_TOKENS),))
+    run_until((prefill,), lambda: bool(prefill.sending))  # the lease ended
+    part.serve_until = 0.0  # as long after the lease's end as decode kept its READ
+    asked = time.monotonic()
+    answer = part.answer(LeaseRenew("t1", 0))
+    assert isinstance(answer, Cancel)
+    assert events == ["target", "target", "target"]
+    assert asked + 1.0 < part.serve_until <= time.monotonic() + 1.5
+    part.serve_until = 0.0
+    assert isinstance(part.answer(ReadDone("t1", 0, 0, 1, False, "gave up")), Cancel)
+    assert part.serve_until == 0.0, "a decode that is done asks nothing more: no progress"
 
 
 def test_pull_decode_is_told_to_ask_again_until_prefill_leased_the_blocks(
