@@ -41,8 +41,8 @@ MUTATIONS = (
     Mutation(
         "negative-block-ids",  # a negative id addresses the previous region's memory
         "kvpush/core/planning.py",
-        "not 0 <= b < layout.scheduler_blocks",
-        "not b < layout.scheduler_blocks",
+        "min(block_ids) >= 0 and max(block_ids) < limit",
+        "max(block_ids) < limit",
         ("tests/unit/test_planning.py",),
     ),
     Mutation(
