@@ -721,14 +721,17 @@ class Receiver(PeerLoop[_ForRank]):
         spec = expecting.spec
         self.outlived[spec] = expecting
         self.results.count("failures", "read_outlived_fence")
+        ports = sorted(
+            spec.prefill_port + m.job.rank for m in self.inflight.given_up if m.job.spec is spec
+        )
         log.warning(
             "request %s: a READ decode gave up has not ended %g s past the transfer's "
-            "deadline (fence_s; the link to prefill %s:%d down?); its blocks stay unused "
-            "until it ends, as its answer may still land in them",
+            "deadline (fence_s; the link to prefill %s, port %s, down?); its blocks stay "
+            "unused until it ends, as its answer may still land in them",
             spec.request_id,
             self.ctx.config.fence_s,
             spec.prefill_host,
-            spec.prefill_port,
+            ", ".join(map(str, ports)),
         )
 
     def _let_prefill_free(self, read: _ForRank, why: str) -> None:
