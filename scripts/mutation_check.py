@@ -48,9 +48,16 @@ MUTATIONS = (
     Mutation(
         "fast-path-skips-the-block-check",
         "kvpush/node/peers.py",
-        "planning.check_block_ids(f\"the {side} side's\", layout, blocks[:n])",
+        "planning.check_block_ids(f\"the {_side(op, key)} side's\", layout, used[key])",
         "pass",
         (NODE_PARTS,),
+    ),
+    Mutation(
+        "window-copied-from-blocks-the-source-freed",  # would copy the null block's bytes
+        "kvpush/core/planning.py",
+        "if held > start:",
+        "if False:",
+        ("tests/unit/test_kv_layouts.py",),
     ),
     Mutation(
         "write-after-the-registration-deadline",  # decode's fence relies on this check

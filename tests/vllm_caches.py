@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVQuantMode,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -111,8 +112,22 @@ def build(
     num_blocks: int = 6,
     layers: int = 3,
     packed: bool = False,
+    window: int = 0,
 ) -> Cache:
+    """`window`: a hybrid model (vLLM's hybrid KV cache manager), its odd layers attending
+    through a sliding window of that many tokens, each kind a KV cache group of its own."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    groups = [KVCacheGroupSpec(names, spec)]
+    if window:
+        windowed = SlidingWindowSpec(
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+            kv_quant_mode=spec.kv_quant_mode,
+            sliding_window=window,
+        )
+        groups = [KVCacheGroupSpec(names[::2], spec), KVCacheGroupSpec(names[1::2], windowed)]
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(
             get_resolved_kv_cache_layout=lambda: layout,
@@ -123,11 +138,11 @@ def build(
     )
     config = get_kv_cache_config_from_groups(
         vllm_config,  # type: ignore[arg-type]
-        [KVCacheGroupSpec(names, spec)],
+        groups,
         available_memory=1 << 40,
     )
     kernel = kernel_block_size or spec.block_size
-    views = allocate_kv_cache(config, torch.device("cpu"), layout, [kernel])
+    views = allocate_kv_cache(config, torch.device("cpu"), layout, [kernel] * len(groups))
     facts = kv_cache_facts(
         config,
         model="m",

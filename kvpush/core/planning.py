@@ -57,6 +57,13 @@ class KVLayout:
     cells above locate a head's block but not the tokens inside it (vLLM's CPU attention
     stores a block's K transposed, head size x tokens, then its V). Such blocks only move
     whole, between sides with the same block size.
+
+    `groups`: vLLM's KV cache groups (its hybrid KV cache manager: full-attention layers in
+    one group, sliding-window layers in others). The groups' layers share the regions, each
+    group's block ids its own, so a block id names the same cells in every region whichever
+    group holds it. A request's block list is then one list per group, concatenated, every
+    group's of the same length (`group_lists`); block 0, vLLM's null block, stands for a
+    block a sliding-window group no longer keeps.
     """
 
     region_bases: tuple[int, ...]
@@ -70,6 +77,7 @@ class KVLayout:
     total_heads: int
     sub_blocks: int = 1
     whole_blocks: bool = False
+    groups: int = 1
 
     def __post_init__(self) -> None:
         if not self.region_bases:
@@ -84,6 +92,7 @@ class KVLayout:
             "token_stride",
             "total_heads",
             "sub_blocks",
+            "groups",
         ):
             value = getattr(self, name)
             if value <= 0:
@@ -345,6 +354,12 @@ def check_mappable(
     a: KVLayout, b: KVLayout, a_tp: int, b_tp: int, a_name: str = "source", b_name: str = "dest"
 ) -> str | None:
     """Why KV laid out as `a` cannot be copied into `b` (None when it can)."""
+    if a.groups != b.groups:
+        return (
+            f"{a_name} keeps {a.groups} KV cache groups, {b_name} {b.groups}: run vLLM's "
+            "hybrid KV cache manager on both sides or on neither (the same "
+            "--disable-hybrid-kv-cache-manager setting)"
+        )
     if a.num_regions != b.num_regions:
         return (
             f"{a_name} has {a.num_regions} KV layers, {b_name} {b.num_regions}: both sides "
@@ -468,9 +483,96 @@ def check_block_ids(side: str, layout: KVLayout, block_ids: Sequence[int]) -> No
         raise PlanError(f"{side} block ids repeat: each block can hold only one request's KV")
 
 
+NULL_BLOCK = 0  # vLLM's null block: a sliding-window group's block below the window
+
+
+def group_lists(side: str, layout: KVLayout, block_ids: Sequence[int]) -> list[Sequence[int]]:
+    """A request's block list split into its KV cache groups' lists (`KVLayout.groups`)."""
+    count = layout.groups
+    if count == 1:
+        return [block_ids]
+    per, rest = divmod(len(block_ids), count)
+    if rest:
+        raise PlanError(
+            f"{side} names {len(block_ids)} block ids, not the same number for each of its "
+            f"{count} KV cache groups"
+        )
+    return [block_ids[g * per : (g + 1) * per] for g in range(count)]
+
+
 def blocks_from(layout: KVLayout, block_ids: Sequence[int], first_token: int) -> Sequence[int]:
-    """A request's block list (from token 0) cut to begin with the block of `first_token`."""
-    return block_ids[first_token // layout.block_tokens :]
+    """A request's block list (from token 0) cut to begin with the block of `first_token`,
+    in each KV cache group."""
+    first = first_token // layout.block_tokens
+    if layout.groups == 1:
+        return block_ids[first:]
+    return [b for ids in group_lists("the request", layout, block_ids) for b in ids[first:]]
+
+
+def leading_nulls(side: str, block_ids: Sequence[int]) -> int:
+    """How many of `block_ids` are vLLM's null block before the first real one (a
+    sliding-window group's blocks below the window); a null after a real block is refused."""
+    count = 0
+    while count < len(block_ids) and block_ids[count] == NULL_BLOCK:
+        count += 1
+    if NULL_BLOCK in block_ids[count:]:
+        raise PlanError(f"{side} has vLLM's null block between real ones: {list(block_ids)[:8]}")
+    return count
+
+
+def group_ranges(
+    src: KVLayout,
+    src_blocks: Sequence[int],
+    dst: KVLayout,
+    dst_blocks: Sequence[int],
+    first_token: int,
+    num_tokens: int,
+) -> list[tuple[int, Sequence[int], Sequence[int]]]:
+    """One copy per KV cache group: `group_range` of each group's pair of lists."""
+    if src.groups != dst.groups:
+        raise PlanError(f"the source keeps {src.groups} KV cache groups, the destination "
+                        f"{dst.groups}")  # fmt: skip
+    return [
+        group_range(src, s, dst, d, first_token, num_tokens)
+        for s, d in zip(
+            group_lists("the source", src, src_blocks),
+            group_lists("the destination", dst, dst_blocks),
+            strict=True,
+        )
+    ]
+
+
+def group_range(
+    src: KVLayout,
+    src_blocks: Sequence[int],
+    dst: KVLayout,
+    dst_blocks: Sequence[int],
+    first_token: int,
+    num_tokens: int,
+) -> tuple[int, Sequence[int], Sequence[int]]:
+    """Where one KV cache group's copy starts, and both sides' lists cut to start there.
+
+    Each list begins with the block that holds `first_token` on its side. A sliding-window
+    group has vLLM's null block below its window: the copy starts at the destination's
+    first real block, and the source must hold every token from there on.
+    """
+    s_first, d_first = first_token // src.block_tokens, first_token // dst.block_tokens
+    needed = blocks_needed(dst, first_token, num_tokens)
+    start = max(first_token, (d_first + leading_nulls("the destination", dst_blocks[:needed]))
+                * dst.block_tokens)  # fmt: skip
+    start = min(start, num_tokens)
+    s_needed = blocks_needed(src, first_token, num_tokens)
+    held = (s_first + leading_nulls("the source", src_blocks[:s_needed])) * src.block_tokens
+    if held > start:
+        raise PlanError(
+            f"the source no longer holds tokens [{start}, {held}) of a sliding-window KV "
+            "cache group that the destination needs"
+        )
+    return (
+        start,
+        src_blocks[start // src.block_tokens - s_first :],
+        dst_blocks[start // dst.block_tokens - d_first :],
+    )
 
 
 def blocks_needed(layout: KVLayout, first_token: int, num_tokens: int) -> int:

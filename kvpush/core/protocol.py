@@ -37,13 +37,14 @@ import msgpack
 
 from kvpush.core.planning import KVLayout, PlanError, check_mappable
 
-PROTOCOL_VERSION = 7  # 7: pull grants are keyed BLAKE2b
+PROTOCOL_VERSION = 8  # 8: KV layouts name their KV cache groups
 MAGIC = b"KP"
 GREETING_MAGIC = b"KPHI"
 MAC_SIZE = 32
 NONCE_SIZE = 16
 DEFAULT_MAX_FRAME = 1 << 20
 MAX_BLOCK_IDS = 1_000_000
+MAX_KV_GROUPS = 1024  # vLLM's KV cache groups (hybrid models)
 MAX_REGIONS = 65_536
 MAX_ID_LEN = 512
 MAX_TEXT_LEN = 4096
@@ -191,6 +192,7 @@ _LAYOUT_FIELDS: tuple[Check, ...] = (
     _int(1, MAX_TP * 1024),  # total_heads
     _int(1, 1 << 20),  # sub_blocks
     _bool,  # whole_blocks
+    _int(1, MAX_KV_GROUPS),  # groups
 )
 
 

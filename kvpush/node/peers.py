@@ -312,49 +312,69 @@ def post_kv(
             f"prefill computed {prefill_tokens} tokens but decode needs {num_tokens}"
         )
     local, remote = hello.layout, peer.hello.layout
-    if peer.same_shape:
-        # Whole blocks, prepared once per peer: the tail of the last block is this
-        # request's own block on both sides, so copying all of it is harmless.
-        n = planning.blocks_needed(local, first_token, num_tokens)
-        sides = (("this", local, local_blocks), (_other(op), remote, remote_blocks))
-        for side, layout, blocks in sides:
-            if n > len(blocks):
-                raise planning.PlanError(
-                    f"tokens [{first_token}, {num_tokens}) need {n} blocks; the {side} side "
-                    f"has {len(blocks)}"
-                )
-            planning.check_block_ids(f"the {side} side's", layout, blocks[:n])
-        local_idx = piece_indices(local, list(local_blocks[:n]))
-        remote_idx = piece_indices(remote, list(remote_blocks[:n]))
-        chunks = len(local.block_chunks()) * local.sub_blocks
-        descriptors = len(planning.merge_runs(local_blocks[:n])) * local.num_regions * chunks
-        nbytes = n * local.num_regions * local.sub_blocks * local.block_bytes
-        post = transport.write_blocks if op == "WRITE" else transport.read_blocks
-        return Posted(post(peer.agent, local_idx, remote_idx), descriptors, nbytes)
     ours = (local, local_blocks, ctx.identity.tp_rank, ctx.identity.tp_size)
     theirs = (remote, remote_blocks, peer.hello.tp_rank, peer.hello.tp_size)
     (src, src_blocks, src_rank, src_tp), (dst, dst_blocks, dst_rank, dst_tp) = (
         (ours, theirs) if op == "WRITE" else (theirs, ours)
     )
-    plan = planning.plan_transfer(
-        src,
-        src_blocks,
-        dst,
-        dst_blocks,
-        num_tokens,
-        first_token=first_token,
-        src_rank=src_rank,
-        src_tp=src_tp,
-        dst_rank=dst_rank,
-        dst_tp=dst_tp,
-    )
-    pieces = plan.descriptors().astype(np.uint64)
+    # One copy per KV cache group, each from where its destination keeps real blocks.
+    groups = planning.group_ranges(src, src_blocks, dst, dst_blocks, first_token, num_tokens)
+    if peer.same_shape:
+        # Whole blocks, prepared once per peer: the tail of the last block is this
+        # request's own block on both sides, so copying all of it is harmless.
+        used: dict[str, list[int]] = {"src": [], "dst": []}
+        for start, s, d in groups:
+            n = planning.blocks_needed(local, start, num_tokens)
+            for key, side, blocks in (("src", _side(op, "src"), s), ("dst", _side(op, "dst"), d)):
+                if n > len(blocks):
+                    raise planning.PlanError(
+                        f"tokens [{start}, {num_tokens}) need {n} blocks; the {side} side "
+                        f"has {len(blocks)}"
+                    )
+                used[key].extend(blocks[:n])
+        for key, layout in (("src", src), ("dst", dst)):
+            planning.check_block_ids(f"the {_side(op, key)} side's", layout, used[key])
+        local_ids, remote_ids = (
+            (used["src"], used["dst"]) if op == "WRITE" else (used["dst"], used["src"])
+        )
+        local_idx = piece_indices(local, local_ids)
+        remote_idx = piece_indices(remote, remote_ids)
+        chunks = len(local.block_chunks()) * local.sub_blocks
+        descriptors = len(planning.merge_runs(local_ids)) * local.num_regions * chunks
+        nbytes = len(local_ids) * local.num_regions * local.sub_blocks * local.block_bytes
+        post = transport.write_blocks if op == "WRITE" else transport.read_blocks
+        return Posted(post(peer.agent, local_idx, remote_idx), descriptors, nbytes)
+    plans = [
+        planning.plan_transfer(
+            src,
+            s,
+            dst,
+            d,
+            num_tokens,
+            first_token=start,
+            src_rank=src_rank,
+            src_tp=src_tp,
+            dst_rank=dst_rank,
+            dst_tp=dst_tp,
+        )
+        for start, s, d in groups
+    ]
+    rows = plans[0].descriptors() if len(plans) == 1 else planning.coalesce(
+        np.concatenate([plan.descriptors() for plan in plans])
+    )  # fmt: skip
+    pieces = rows.astype(np.uint64)
     src_pieces, dst_pieces = pieces[:, [0, 2]], pieces[:, [1, 2]]
     if op == "WRITE":
         transfer = transport.write(peer.agent, src_pieces, dst_pieces)
     else:
         transfer = transport.read(peer.agent, src_pieces, dst_pieces)
-    return Posted(transfer, len(pieces), plan.total_bytes)
+    return Posted(transfer, len(pieces), sum(plan.total_bytes for plan in plans))
+
+
+def _side(op: Op, role: str) -> str:
+    """Which side of `op` the source ("src") or destination ("dst") is, as errors name it."""
+    ours = (role == "src") == (op == "WRITE")
+    return "this" if ours else _other(op)
 
 
 def _other(op: Op) -> str:

@@ -356,7 +356,10 @@ class Receiver(PeerLoop[_ForRank]):
                 self._cut_late_bytes(expecting)
             # vLLM frees (or, on a load failure, fails) the request once reported; its
             # blocks are safe to reuse now.
-            results.received(spec.request_id, () if expecting.aborted else spec.block_ids)
+            if expecting.aborted:
+                results.received(spec.request_id)
+            else:
+                results.not_received(spec.request_id, spec.block_ids)
 
     def _cut_late_bytes(self, expecting: _Expecting) -> None:
         """Push, before a failed transfer's blocks go back to vLLM when a WRITE into them
@@ -690,7 +693,10 @@ class Receiver(PeerLoop[_ForRank]):
             # it outlived the fence; now nothing more of it can land
             del self.outlived[spec]
             expecting.alive = False
-            self.results.received(spec.request_id, () if expecting.aborted else spec.block_ids)
+            if expecting.aborted:
+                self.results.received(spec.request_id)
+            else:
+                self.results.not_received(spec.request_id, spec.block_ids)
 
     def _reads_kept(self, spec: RecvSpec) -> bool:
         """Whether a READ of `spec` that decode gave up may still land (kept until it ends)."""

@@ -89,6 +89,10 @@ class Results:
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.load_errors: set[int] = set()
+        # Decode with several KV cache groups (vLLM's hybrid KV cache manager): block ids
+        # name no request there, so a failed load goes to vLLM by request id instead.
+        self.by_request = False
+        self.failed: set[str] = set()
         self.data = empty_data()
         # Set with anything added to `data`, so the stats hook can tell without a lock
         # that there is nothing new (a read racing a write only defers it a step).
@@ -109,6 +113,15 @@ class Results:
             errors, self.load_errors = self.load_errors, set()
             return errors
 
+    def take_failed(self) -> set[str]:
+        """Requests whose KV will not arrive (`by_request`), reported to vLLM as they are
+        reported received, or before."""
+        if not self.failed:
+            return set()
+        with self.lock:
+            failed, self.failed = self.failed, set()
+            return failed
+
     def take_data(self) -> dict[str, Any]:
         with self.lock:
             data, self.data = self.data, empty_data()
@@ -123,11 +136,20 @@ class Results:
             self.sending.add(request_id)
             self.news = True
 
-    def received(self, request_id: str, failed_blocks: tuple[int, ...] = ()) -> None:
-        """Decode: the request's KV arrived, or (with `failed_blocks`) will not."""
+    def received(self, request_id: str) -> None:
+        """Decode: the request's KV arrived, or its request ended before (nothing to load)."""
         with self.lock:
             self.recving.add(request_id)
-            self.load_errors.update(failed_blocks)
+
+    def not_received(self, request_id: str, block_ids: tuple[int, ...]) -> None:
+        """Decode: the request's KV will not arrive in `block_ids`; vLLM fails (or
+        recomputes) it, by its blocks or, with several KV cache groups, by its id."""
+        with self.lock:
+            self.recving.add(request_id)
+            if self.by_request:
+                self.failed.add(request_id)
+            else:
+                self.load_errors.update(block_ids)
 
     def count(self, table: str, key: str, n: int = 1) -> None:
         with self.lock:

@@ -164,6 +164,7 @@ class WorkerSide:
             host=self.config.host,
             port=self.port,
         )
+        self.results.by_request = layout.groups > 1
         self.ctx = ctx = Context(config, ident, transport, hello, self.results, client_tls)
         self.part = self._make_part(ctx)
         self.part.start()
@@ -193,14 +194,15 @@ class WorkerSide:
                 reject=lambda kind: self.results.count("rejected", kind),
             )
         log.info(
-            "kvpush %s worker %d/%d: %d KV regions x %d blocks of %d tokens, %d of %d KV heads "
-            "(%s), control on %s:%d (listening on %s)",
+            "kvpush %s worker %d/%d: %d KV regions x %d blocks of %d tokens%s, %d of %d KV "
+            "heads (%s), control on %s:%d (listening on %s)",
             ident.role,
             ident.tp_rank,
             ident.tp_size,
             layout.num_regions,
             layout.scheduler_blocks,
             layout.block_tokens,
+            f" in {layout.groups} KV cache groups" if layout.groups > 1 else "",
             layout.num_heads,
             layout.total_heads,
             kv_dtype,

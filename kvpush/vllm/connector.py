@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -105,7 +106,7 @@ NOTHING_FINISHED = KVConnectorTransferResults(
 NO_LOAD_ERRORS: frozenset[int] = frozenset()
 
 
-class KvpushConnector(KVConnectorBase_V1):
+class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P
     _stats_due = 0.0  # monotonic time after which the hook timings go out again
 
@@ -167,6 +168,8 @@ class KvpushConnector(KVConnectorBase_V1):
                 tp_size=parallel.tensor_parallel_size,
                 dp_index=dp_index,
                 local=node.queue if node is not None else None,
+                group_ids=self.facts.group_ids,
+                block_size=self.facts.block_size,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -220,6 +223,20 @@ class KvpushConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call with every KV cache group's blocks (kvpush declares `SupportsHMA`,
+        so vLLM keeps its hybrid KV cache manager on for models with sliding-window
+        layers, and keeps only their window's KV)."""
+        assert self.scheduler is not None
+        flat = self.scheduler.flat_block_ids(request, block_ids)
+        return self.scheduler.request_finished(request, flat)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every group kvpush moves is written by the transfer: vLLM must not zero them."""
+        return self.facts.group_ids
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         sending, recving = connector_output.finished_sending, connector_output.finished_recving
@@ -308,7 +325,11 @@ class KvpushConnector(KVConnectorBase_V1):
         if not (results.sending or results.recving):
             return NOTHING_FINISHED
         sending, recving = self.worker.get_finished()
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+        return KVConnectorTransferResults(
+            finished_sending=sending,
+            finished_recving=recving,
+            failed_recving=results.take_failed(),  # by request id: several KV cache groups
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks decode will not receive; in a step with none (nearly all), one shared

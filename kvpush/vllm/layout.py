@@ -19,9 +19,9 @@ from typing import Any
 from kvpush.core.planning import KVLayout, PlanError
 
 SUPPORTED = (
-    "kvpush moves the KV cache of decoder models with one KV cache group of full "
-    "attention or MLA layers (every vLLM KV cache layout; KV cache dtype auto, bfloat16, "
-    "float16, float32 or fp8 with per-tensor scales)"
+    "kvpush moves the KV cache of decoder models whose layers keep full attention or MLA, "
+    "with or without sliding-window layers between them (every vLLM KV cache layout; KV "
+    "cache dtype auto, bfloat16, float16, float32 or fp8 with per-tensor scales)"
 )
 _PLAIN_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 _FP8_ALIASES = {"fp8": "fp8_e4m3", "fp8_inc": "fp8_e4m3"}
@@ -35,13 +35,19 @@ class UnsupportedKVCache(ValueError):
 class KVCacheFacts:
     """What vLLM's KV cache config says about the cache kvpush transfers on one rank."""
 
-    layer_names: tuple[str, ...]  # the transferable layers, in vLLM's order
+    group_layers: tuple[tuple[str, ...], ...]  # each transferable group's layers, vLLM's order
+    group_ids: tuple[int, ...]  # the transferable groups' indices in vLLM's KV cache config
     block_size: int  # tokens per scheduler block
     num_heads: int  # head slots per rank
     unit_bytes: int  # bytes of one head of one token
     total_heads: int  # distinct KV heads across the TP group
     kv_dtype: str  # what the two sides must agree on, e.g. "bfloat16" or "fp8_e4m3"
     mla: bool
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Every transferable layer, group by group."""
+        return tuple(name for names in self.group_layers for name in names)
 
 
 def kv_cache_facts(
@@ -53,7 +59,11 @@ def kv_cache_facts(
     cache_dtype: str,
     dcp_size: int = 1,
 ) -> KVCacheFacts:
-    """The facts of the one transferable KV cache group; raises `UnsupportedKVCache`.
+    """The facts of the transferable KV cache groups; raises `UnsupportedKVCache`.
+
+    Several groups (vLLM's hybrid KV cache manager: full-attention layers in one group,
+    sliding-window layers in others) must be attention caches of one shape: their layers
+    share vLLM's KV tensors, each group with block ids of its own.
 
     `model_kv_heads` is the model's total KV head count (vLLM's
     `ModelConfig.get_total_num_kv_heads`), used when heads are fewer than TP ranks.
@@ -70,33 +80,47 @@ def kv_cache_facts(
         return UnsupportedKVCache(f"kvpush cannot transfer the KV cache of {model}: {what}. "
                                   f"{SUPPORTED}.")  # fmt: skip
 
-    groups = [g for g in kv_cache_config.kv_cache_groups if g.enable_kv_transfer]
-    if len(groups) != 1:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
-        raise refuse(f"it has {len(groups)} KV cache groups ({kinds}), e.g. a hybrid model")
-    group = groups[0]
-    spec = group.kv_cache_spec
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        specs = set(spec.kv_cache_specs.values())
-        if len(specs) != 1:
-            raise refuse("its layers have different KV cache shapes")
-        (spec,) = specs
-    if isinstance(spec, SlidingWindowSpec):
+    groups = [(i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups) if g.enable_kv_transfer]
+    if not groups:
+        raise refuse("it has no KV cache group to transfer")
+    specs = []
+    for _, group in groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            uniform = set(spec.kv_cache_specs.values())
+            if len(uniform) != 1:
+                raise refuse("its layers have different KV cache shapes")
+            (spec,) = uniform
+        specs.append(spec)
+    if len(specs) == 1 and isinstance(specs[0], SlidingWindowSpec):
+        window = specs[0].sliding_window
         raise refuse(
-            f"every layer of it attends through a {spec.sliding_window}-token sliding window "
+            f"every layer of it attends through a {window}-token sliding window "
             "(SlidingWindowSpec), and vLLM frees the blocks below the window as a request "
             "goes. Serve both sides with --disable-sliding-window to run it as full "
-            f"attention (vLLM then caps the context at {spec.sliding_window} tokens). Models "
+            f"attention (vLLM then caps the context at {window} tokens). Models "
             "that mix windowed and full layers run as they are"
         )
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        raise refuse(f"its layers keep a {type(spec).__name__} cache")
-    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
-        raise refuse(f"KV cache dtype {cache_dtype} keeps scales kvpush does not move")
-    if spec.tokens_per_state != 1:
-        raise refuse("its cache stores other than one state per token")
-    if spec.num_head_slots is not None and spec.num_head_slots != spec.num_kv_heads:
-        raise refuse("its cache packs several KV heads per slot")
+    for spec in specs:
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
+            hybrid = " (in a hybrid model: kvpush moves attention caches only)" * (len(specs) > 1)
+            raise refuse(f"its layers keep a {type(spec).__name__} cache{hybrid}")
+        if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+            raise refuse(f"KV cache dtype {cache_dtype} keeps scales kvpush does not move")
+        if spec.tokens_per_state != 1:
+            raise refuse("its cache stores other than one state per token")
+        if spec.num_head_slots is not None and spec.num_head_slots != spec.num_kv_heads:
+            raise refuse("its cache packs several KV heads per slot")
+    shapes = {
+        (s.block_size, s.num_heads, s.state_content_size_bytes, s.dtype, s.max_tp_shards)
+        for s in specs
+    }
+    if len(shapes) != 1:
+        raise refuse(
+            "its KV cache groups differ in block size, heads or bytes per head: "
+            f"{sorted(map(str, shapes))}"
+        )
+    spec = specs[0]
     if dcp_size > 1:
         raise refuse(f"decode context parallelism ({dcp_size}) shards tokens across ranks")
     if spec.max_tp_shards is not None:
@@ -108,7 +132,8 @@ def kv_cache_facts(
     if dtype in _PLAIN_DTYPES:
         dtype = str(spec.dtype).removeprefix("torch.")
     return KVCacheFacts(
-        layer_names=tuple(group.layer_names),
+        group_layers=tuple(tuple(group.layer_names) for _, group in groups),
+        group_ids=tuple(index for index, _ in groups),
         block_size=spec.block_size,
         num_heads=spec.num_heads,
         unit_bytes=spec.state_content_size_bytes,
@@ -128,8 +153,10 @@ PACKED_BLOCK_BACKENDS = ("CPU_ATTN",)
 def describe_kv_caches(
     facts: KVCacheFacts, kv_caches: dict[str, Any], layout_name: str, packed: bool = False
 ) -> tuple[KVLayout, tuple[tuple[int, int], ...]]:
-    """One region per transferable layer, in vLLM's layer order, plus the memory to
-    register with NIXL (the backing storage of the views).
+    """One region per KV tensor the transferable layers use, in vLLM's layer order, plus
+    the memory to register with NIXL (the backing storage of the views). One group: a
+    region per layer. Several (vLLM's hybrid KV cache manager): the i-th layers of the
+    groups share a tensor, and a block id names its cells for whichever group holds it.
 
     `kv_caches` are the per-layer views vLLM hands `register_kv_caches`; `layout_name`
     is vLLM's resolved KV cache layout, which the views' strides must follow. With
@@ -148,6 +175,13 @@ def describe_kv_caches(
     bases: list[int] = []
     memory: dict[int, int] = {}
     geometry: set[tuple[int, ...]] = set()
+    for names in facts.group_layers:
+        shared = {kv_caches[name].data_ptr() for name in names}
+        if len(shared) != len(names):
+            raise UnsupportedKVCache(
+                f"layers of one KV cache group share KV memory ({', '.join(names[:4])}): each "
+                "needs its own"
+            )
     for name in facts.layer_names:
         view = kv_caches[name]
         elem = view.element_size()
@@ -184,7 +218,8 @@ def describe_kv_caches(
                 f"{tuple(view.stride())}) does not keep each head's block in one run, as "
                 "vLLM's CPU attention packs it"
             )
-        bases.append(view.data_ptr())
+        if view.data_ptr() not in bases:  # the groups' layers share their regions
+            bases.append(view.data_ptr())
         geometry.add((blocks, tokens, *strides[:3]))
         storage = view.untyped_storage()
         memory[storage.data_ptr()] = storage.nbytes()
@@ -206,6 +241,7 @@ def describe_kv_caches(
             total_heads=facts.total_heads,
             sub_blocks=facts.block_size // tokens,
             whole_blocks=packed,
+            groups=len(facts.group_layers),
         )
     except PlanError as exc:
         raise UnsupportedKVCache(f"the KV cache views of vLLM make no valid layout: {exc}") from exc

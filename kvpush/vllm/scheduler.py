@@ -16,6 +16,7 @@ one rank, the default at TP 1 on a GPU), the hooks hand each spec to the node at
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 
 _DONE_MARK = "_kvpush_registered"
 
+log = logging.getLogger("kvpush.scheduler")
+
 # A node's untimed hand-off (`WorkerSide.queue`): recv, send and aborted specs.
 HandOff = Callable[
     [Sequence[RecvSpec | HoldSpec], Sequence[SendSpec], Sequence[AbortSpec]], None
@@ -48,8 +51,14 @@ class SchedulerSide:
         tp_size: int = 1,
         dp_index: int = 0,
         local: HandOff | None = None,
+        group_ids: tuple[int, ...] = (0,),
+        block_size: int = 16,
     ) -> None:
         self.config = config
+        # vLLM's KV cache groups kvpush moves (several with its hybrid KV cache manager),
+        # and their blocks' tokens: a request's block list is theirs, concatenated
+        self.group_ids = group_ids
+        self.block_size = block_size
         # the node's hand-off when it runs in this process (vLLM's in-process executor)
         self.local = local
         self.engine_id = engine_id
@@ -142,16 +151,17 @@ class SchedulerSide:
         # A preempted request allocates again: a new generation fences the old blocks.
         generation = self._generations.get(transfer_id, -1) + 1
         self._generations[transfer_id] = generation
-        block_ids = tuple(blocks.get_unhashed_block_ids())
+        first_token = num_tokens = len(request.prompt_token_ids or ())
+        first_token -= num_external_tokens
+        block_ids = self._blocks_from(request, blocks, first_token)
         remote_ids = params.get("remote_block_ids") or ()
-        num_tokens = len(request.prompt_token_ids or ())
         self._recv.append(
             RecvSpec(
                 transfer_id=transfer_id,
                 request_id=request.request_id,
                 block_ids=block_ids,
                 num_tokens=num_tokens,
-                first_token=num_tokens - num_external_tokens,
+                first_token=first_token,
                 prefill_host=str(params["remote_host"]),
                 prefill_port=int(params["remote_port"]),
                 prefill_tp=int(params.get("tp_size") or 1),
@@ -164,6 +174,49 @@ class SchedulerSide:
         )
         self._receiving[request.request_id] = transfer_id
         params[_DONE_MARK] = True
+
+    def _blocks_from(
+        self, request: Request, blocks: KVCacheBlocks, first_token: int
+    ) -> tuple[int, ...]:
+        """Decode's blocks for the tokens from `first_token` on, every group's concatenated.
+
+        One group: the blocks without a hash (the prefix-cache hits have one). Several:
+        each group's list from the block of `first_token`, vLLM's null block standing for
+        those a sliding-window group does not keep. A list kvpush cannot pair (a cached
+        block past the hit, groups of unequal length) is left empty: the transfer then
+        fails with the reason, and nothing is written.
+        """
+        if len(self.group_ids) == 1:
+            group = blocks.blocks[self.group_ids[0]]
+            return tuple(b.block_id for b in group if b.block_hash is None)
+        first = first_token // self.block_size
+        lists = [blocks.blocks[g][first:] for g in self.group_ids]
+        cached = any(b.block_hash is not None and not b.is_null for ids in lists for b in ids)
+        if cached or len({len(ids) for ids in lists}) != 1:
+            log.error(
+                "request %s: decode's KV cache groups hold %s blocks from token %d%s; "
+                "kvpush cannot pair them with prefill's, the request fails",
+                request.request_id,
+                [len(ids) for ids in lists],
+                first_token,
+                " (some already cached)" if cached else "",
+            )
+            return ()
+        return tuple(b.block_id for ids in lists for b in ids)
+
+    def flat_block_ids(self, request: Request, block_ids: tuple[list[int], ...]) -> list[int]:
+        """Prefill: a finished request's block lists of the groups kvpush moves, one after
+        the other (empty, and logged, when their lengths differ: nothing can pair them)."""
+        lists = [block_ids[g] for g in self.group_ids]
+        if len({len(ids) for ids in lists}) != 1:
+            log.error(
+                "request %s: prefill's KV cache groups hold %s blocks; kvpush cannot pair "
+                "them with decode's, its KV is not sent",
+                request.request_id,
+                [len(ids) for ids in lists],
+            )
+            return []
+        return [b for ids in lists for b in ids]
 
     @staticmethod
     def _prefill_abort(transfer_id: str, request_id: str, params: dict[str, Any]) -> AbortSpec:

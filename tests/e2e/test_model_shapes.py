@@ -26,8 +26,11 @@ reference, whose first token is decode's: it is checked to have been spliced cle
 
 from __future__ import annotations
 
+import json
 import random
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,7 @@ from tests.e2e.conftest import (
     PROMPTS,
     Deployment,
     completion,
+    kv_idle_after,
     launch,
     ports_free,
     post,
@@ -54,9 +58,8 @@ SHAPES = {
     "mqa-1x128": TinyModelSpec(heads=4, kv_heads=1, head_dim=128),
     "gqa-8x128": TinyModelSpec(heads=16, kv_heads=8, head_dim=128),
     "mla": TinyModelSpec(heads=4, head_dim=32, arch="deepseek_v2"),
-    # vLLM turns its hybrid KV cache manager off for a connector without HMA support and
-    # keeps every token's KV in the windowed layers too: one cache group, whose windowed
-    # layers still attend only 32 tokens back (their answers differ from all-full ones)
+    # vLLM's hybrid KV cache manager stays on (kvpush supports it): two KV cache groups,
+    # the windowed layers' keeping only their window's blocks, so only those move
     "swa-hybrid": TinyModelSpec(
         arch="llama", layers=4, heads=4, kv_heads=2, head_dim=64, sliding_window=32
     ),
@@ -67,6 +70,7 @@ REFERENCE_PORT = BASE_PORT + 30
 HANDOFF_PATHS = ("direct", "next_step")
 # The articles' scale: 12k tokens of 8 KV heads x 128 dims are ~100 MB of KV in one transfer
 LONG_SHAPE, LONG_TOKENS = "gqa-8x128", 12_000
+WINDOWED_SHAPE, WINDOWED_TOKENS = "swa-hybrid", 1_000
 MODE_PORTS = {"kvpush-push": (BASE_PORT + 40, KV_PORT + 40),
               "kvpush-pull": (BASE_PORT + 50, KV_PORT + 50)}  # fmt: skip
 
@@ -80,6 +84,7 @@ class Run:
     reference: dict[str, str]
     deployments: dict[str, Deployment]
     started_s: float
+    work: Path  # each deployment's workdir is work / its setup
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES), ids=str)
@@ -88,8 +93,10 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     model = ensure_tiny_model(tmp_path_factory.mktemp("models") / shape, SHAPES[shape])
     work = tmp_path_factory.mktemp(shape)
     started = time.monotonic()
+    # the windowed model also fails one transfer on purpose (kvpush.node.faults)
+    env = {"KVPUSH_FAULTS": "nixl_error"} if shape == WINDOWED_SHAPE else None
     deployments = {
-        setup: launch(setup, model, work / setup, port=port, kv_port=kv)
+        setup: launch(setup, model, work / setup, port=port, kv_port=kv, env=env)
         for setup, (port, kv) in MODE_PORTS.items()
     }
     try:
@@ -97,7 +104,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         for deployment in deployments.values():
             wait_ready(deployment)
         reference = reference or own_answers(model, deployments["kvpush-push"].prefill)
-        yield Run(shape, model, reference, deployments, time.monotonic() - started)
+        yield Run(shape, model, reference, deployments, time.monotonic() - started, work)
     finally:
         for deployment in deployments.values():
             deployment.stop()
@@ -187,3 +194,76 @@ def test_a_long_prompt_moves_whole_and_answers_as_a_single_server(run: Run, setu
     for side in (deployment.prefill, deployment.decode):
         assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
     print(f"\n{setup}: {LONG_TOKENS} prompt tokens answered in {took:.1f} s")
+
+
+@pytest.mark.parametrize("setup", sorted(MODE_PORTS))
+def test_a_sliding_window_model_moves_only_the_window_of_its_windowed_layers(
+    run: Run, setup: str
+) -> None:
+    """vLLM's hybrid KV cache manager on, its default: the full-attention layers' KV moves
+    whole, the windowed layers' only from their window's first block (vLLM's null block
+    stands for those below it on both sides), and the answer still equals prefill's own."""
+    if run.shape != WINDOWED_SHAPE:
+        pytest.skip(f"the windowed layers are {WINDOWED_SHAPE}'s")
+    deployment = run.deployments[setup]
+    logs = server_logs(run.work / setup)
+    assert "in 2 KV cache groups" in logs, "vLLM's hybrid KV cache manager stayed off"
+    assert "Turning off hybrid kv cache manager" not in logs
+    rng = random.Random(WINDOWED_TOKENS)
+    prompt = [rng.randrange(16, 1000) for _ in range(WINDOWED_TOKENS)]
+    body = {**completion(run.model, ""), "prompt": prompt}
+    reference = post(deployment.prefill + "/v1/completions", {**body, "cache_salt": setup})
+    before = deployment.external_tokens(), moved_bytes(deployment)
+    answer = post(deployment.proxy + "/v1/completions", body)
+    assert answer["choices"][0]["text"] == reference["choices"][0]["text"], setup
+    assert deployment.external_tokens() - before[0] == WINDOWED_TOKENS
+    moved = moved_bytes(deployment) - before[1]
+    # 4 layers x 2 KV heads x 64 dims x K and V x 2 bytes: 2,048 bytes a token when every
+    # layer's KV moves; the full layers' half, plus the window's blocks (at most two of 128)
+    every_layer = WINDOWED_TOKENS * 2048
+    assert every_layer / 2 <= moved <= every_layer / 2 + 2 * 128 * 1024, moved
+    for side in (deployment.prefill, deployment.decode):
+        assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
+    print(f"\n{setup}: {moved} bytes moved for {WINDOWED_TOKENS} tokens "
+          f"({moved / every_layer:.2f} of every layer's KV)")  # fmt: skip
+
+
+@pytest.mark.parametrize("setup", sorted(MODE_PORTS))
+def test_a_failed_transfer_of_a_hybrid_model_fails_its_request_and_frees_its_blocks(
+    run: Run, setup: str
+) -> None:
+    """With several KV cache groups vLLM takes no block-level load error (it stops the
+    engine on one): kvpush names the failed request instead. The request fails at once,
+    decode's and prefill's blocks go back, and the next request is answered."""
+    if run.shape != WINDOWED_SHAPE:
+        pytest.skip(f"the KV cache groups are {WINDOWED_SHAPE}'s")
+    deployment = run.deployments[setup]
+    request = urllib.request.Request(
+        deployment.proxy + "/v1/completions",
+        data=json.dumps(completion(run.model, PROMPTS[2])).encode(),
+        headers={"Content-Type": "application/json", "X-Request-Id": "w1-fault-nixl_error"},
+    )
+    started = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as failure:
+        urllib.request.urlopen(request, timeout=60)
+    took = time.monotonic() - started
+    assert failure.value.code == 502 and took < 10, (failure.value.code, took)
+    failures = sum(scrape.total(scrape.scrape(side), "kvpush:failures_total")
+                   for side in (deployment.prefill, deployment.decode))  # fmt: skip
+    assert failures >= 1
+    kv_idle_after({"prefill": deployment.prefill, "decode": deployment.decode}, timeout=20)
+    answer = post(deployment.proxy + "/v1/completions", completion(run.model, PROMPTS[1]))
+    assert answer["choices"][0]["text"] == run.reference[PROMPTS[1]], setup
+    print(f"\n{setup}: the failed request answered {failure.value.code} in {took:.1f} s")
+
+
+def moved_bytes(deployment: Deployment) -> float:
+    """Bytes of KV the deployment's transfers moved (the side that posts them counts)."""
+    return sum(scrape.total(scrape.scrape(side), "kvpush:transfer_bytes_sum")
+               for side in (deployment.prefill, deployment.decode))  # fmt: skip
+
+
+def server_logs(workdir: Path) -> str:
+    """The logs so far of the servers `kvpush up --workdir workdir` started."""
+    logs = sorted((workdir / "logs").glob("*.log"))
+    return "".join(path.read_text(errors="replace") for path in logs)

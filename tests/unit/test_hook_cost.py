@@ -32,7 +32,7 @@ from kvpush.vllm import connector as connector_module
 from kvpush.vllm.connector import NOTHING_FINISHED, STATS_EVERY_S, KvpushConnector
 from kvpush.vllm.metadata import EMPTY_METADATA
 from kvpush.vllm.scheduler import SchedulerSide
-from tests.unit.test_vllm_adapter import FakeBlocks, FakeRequest
+from tests.unit.test_vllm_adapter import FakeRequest, vllm_blocks
 
 STEPS = int(os.environ.get("KVPUSH_HOOK_BENCH_STEPS", "5000"))
 REQUESTS = int(os.environ.get("KVPUSH_HOOK_BENCH_REQUESTS", "500"))
@@ -171,7 +171,7 @@ def test_hook_cost_per_push_request() -> None:
     started = time.perf_counter()
     for req in requests:
         assert sched.get_num_new_matched_tokens(req, 0) == (48, True)
-        sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+        sched.update_state_after_alloc(req, vllm_blocks([3, 4, 5]), 48)
         engine_step(sched, worker, output)  # the step that ships its RecvSpec
         item, _ = part.inbox.get_nowait()
         assert isinstance(item, RecvSpec) and item.request_id == req.request_id
@@ -204,7 +204,7 @@ def test_a_step_with_nothing_to_ship_gets_the_shared_empty_metadata() -> None:
     assert (first.recv, first.send, first.aborted) == ([], [], [])
     req = push_request(1)
     sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+    sched.update_state_after_alloc(req, vllm_blocks([3, 4, 5]), 48)
     meta = sched.build_connector_meta(None)
     assert meta is not EMPTY_METADATA and [s.request_id for s in meta.recv] == ["r1"]
     assert sched.build_connector_meta(None) is EMPTY_METADATA
@@ -220,14 +220,30 @@ def test_a_step_where_nothing_finished_gets_one_frozen_empty_answer() -> None:
     assert not (a.finished_sending or a.finished_recving or a.failed_recving)
     with pytest.raises(AttributeError):
         a.finished_recving.add("r0")  # type: ignore[attr-defined]
-    worker.worker.results.received("r1", failed_blocks=(7,))
+    worker.worker.results.not_received("r1", (7,))
     worker.worker.results.sent("r2")
     done = worker.get_transfer_results(set())
     assert (done.finished_recving, done.finished_sending) == ({"r1"}, {"r2"})
+    assert done.failed_recving == set()  # one KV cache group: vLLM takes the blocks
     done.finished_recving.add("mine")  # a step's real sets are its own
     assert worker.get_block_ids_with_load_errors() == {7}
     assert worker.get_transfer_results(set()) is NOTHING_FINISHED
     assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_with_several_kv_cache_groups_a_failed_load_is_reported_by_request() -> None:
+    """vLLM's hybrid KV cache manager: block ids are per group, and vLLM stops the engine
+    on a block-level load error, so the failed request goes in `failed_recving`, in the
+    step that reports it received or earlier, and no block is named."""
+    worker = connector(KvpushConnector, "worker")
+    results = worker.worker.results
+    results.by_request = True
+    results.not_received("r1", (7, 0, 0, 9))
+    results.received("r2")
+    done = worker.get_transfer_results(set())
+    assert (done.finished_recving, done.failed_recving) == ({"r1", "r2"}, {"r1"})
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.get_transfer_results(set()) is NOTHING_FINISHED
 
 
 def test_a_step_with_nothing_to_hand_over_touches_no_part() -> None:
@@ -256,7 +272,7 @@ def test_a_step_that_reports_nothing_stays_out_of_the_scheduler_side() -> None:
     side = sched.scheduler
     req = push_request(1)
     sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+    sched.update_state_after_alloc(req, vllm_blocks([3, 4, 5]), 48)
     sched.build_connector_meta(None)
     assert req.request_id in side._receiving
 
@@ -299,7 +315,7 @@ def test_stats_carry_transfers_at_once_and_hook_timings_at_most_every_interval(
     def ship(i: int) -> None:  # a step that ships a spec (an empty one is not timed)
         req = push_request(i)
         sched.get_num_new_matched_tokens(req, 0)
-        sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+        sched.update_state_after_alloc(req, vllm_blocks([3, 4, 5]), 48)
         assert sched.build_connector_meta(None) is not EMPTY_METADATA
 
     ship(1)
@@ -373,7 +389,7 @@ def test_specs_reach_the_threads_before_the_forward(monkeypatch: pytest.MonkeyPa
     sched = connector(KvpushConnector, "scheduler")
     req = push_request(1)
     sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 48)
+    sched.update_state_after_alloc(req, vllm_blocks([3, 4, 5]), 48)
     output = SimpleNamespace(kv_connector_metadata=sched.build_connector_meta(None))
     output.has_sync_kv_loads = False
     output.finished_req_ids = set()

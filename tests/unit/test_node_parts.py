@@ -32,7 +32,7 @@ from kvpush.node.worker import WorkerSide, in_process
 from kvpush.vllm.metadata import EMPTY_METADATA
 from kvpush.vllm.scheduler import SchedulerSide
 from tests.node_kv import KVMemory, free_port
-from tests.unit.test_vllm_adapter import FakeBlocks, FakeRequest
+from tests.unit.test_vllm_adapter import FakeRequest, vllm_blocks
 
 Piece = tuple[int, int]
 
@@ -315,7 +315,7 @@ def test_a_scheduler_in_the_nodes_process_hands_its_specs_over_at_once(
     } | (coordinates or {})
     waiting = FakeRequest("d1", prompt, params)
     assert sides[1].get_num_new_matched_tokens(waiting, 0) == (NUM_TOKENS, True)  # type: ignore[arg-type]
-    sides[1].update_state_after_alloc(waiting, FakeBlocks([1, 9, 3]), NUM_TOKENS)  # type: ignore[arg-type]
+    sides[1].update_state_after_alloc(waiting, vllm_blocks([1, 9, 3]), NUM_TOKENS)  # type: ignore[arg-type]
     assert all(side.build_connector_meta(None) is EMPTY_METADATA for side in sides)
     run_until((prefill, decode), lambda: bool(decode.recving and prefill.sending))
     assert decode.recving == {"d1"} and prefill.sending == {"p1"}

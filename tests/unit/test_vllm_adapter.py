@@ -7,6 +7,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvpush.node.config import KvpushConfig
 from kvpush.node.specs import AbortSpec, HoldSpec, RecvSpec
@@ -24,12 +26,18 @@ class FakeRequest:
     sampling_params: Any = None
 
 
-@dataclass
-class FakeBlocks:
-    ids: list[int] = field(default_factory=lambda: [3, 4])
-
-    def get_unhashed_block_ids(self) -> list[int]:
-        return self.ids
+def vllm_blocks(*groups: list[int], hashed: int = 0) -> KVCacheBlocks:
+    """vLLM's own allocation result: one list of block ids per KV cache group (default one
+    group of [3, 4]), the first `hashed` of each cached (prefix hits), block 0 the null
+    block."""
+    lists = groups or ([3, 4],)
+    out = []
+    for ids in lists:
+        blocks = [KVCacheBlock(b, is_null=b == 0) for b in ids]
+        for block in blocks[:hashed]:
+            block._block_hash = b"hit"  # type: ignore[assignment]
+        out.append(blocks)
+    return KVCacheBlocks(tuple(out))
 
 
 def decode_params() -> dict[str, Any]:
@@ -46,7 +54,7 @@ def test_decode_registers_blocks_at_allocation_once() -> None:
     side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
     req = FakeRequest("cmpl-t1-0-abcdef12", list(range(10)), decode_params())
     assert side.get_num_new_matched_tokens(req, 0) == (10, True)  # type: ignore[arg-type]
-    side.update_state_after_alloc(req, FakeBlocks(), 10)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, vllm_blocks(), 10)  # type: ignore[arg-type]
     meta = side.build_connector_meta(SimpleNamespace())
     (spec,) = meta.recv
     assert (spec.transfer_id, spec.block_ids, spec.num_tokens, spec.prefill_port) == (
@@ -57,7 +65,7 @@ def test_decode_registers_blocks_at_allocation_once() -> None:
     )
     # after the KV arrived vLLM asks again: nothing more to load, nothing re-registered
     assert side.get_num_new_matched_tokens(req, 10) == (0, False)  # type: ignore[arg-type]
-    side.update_state_after_alloc(req, FakeBlocks([5]), 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, vllm_blocks([5]), 0)  # type: ignore[arg-type]
     assert side.build_connector_meta(SimpleNamespace()).recv == []
 
 
@@ -66,9 +74,59 @@ def test_a_decode_prefix_hit_registers_only_the_uncached_tail() -> None:
     req = FakeRequest("d", list(range(100)), decode_params())
     # vLLM found 64 tokens (4 blocks) in decode's prefix cache
     assert side.get_num_new_matched_tokens(req, 64) == (36, True)  # type: ignore[arg-type]
-    side.update_state_after_alloc(req, FakeBlocks([7, 8, 9]), 36)  # type: ignore[arg-type]
+    hits_and_new = vllm_blocks([1, 2, 5, 6, 7, 8, 9], hashed=4)  # as vLLM lists them
+    side.update_state_after_alloc(req, hits_and_new, 36)  # type: ignore[arg-type]
     (spec,) = side.build_connector_meta(SimpleNamespace()).recv
     assert (spec.first_token, spec.num_tokens, spec.block_ids) == (64, 100, (7, 8, 9))
+
+
+def hybrid_side(producer: bool, mode: str = "push") -> SchedulerSide:
+    """Two KV cache groups (vLLM's hybrid KV cache manager: full attention, then a
+    32-token window), blocks of 16 tokens."""
+    name = "prefill-0" if producer else "decode-0"
+    return SchedulerSide(
+        KvpushConfig(mode=mode), name, is_producer=producer, group_ids=(0, 1), block_size=16
+    )
+
+
+def test_a_hybrid_decode_registers_each_groups_blocks_from_the_first_uncached_token() -> None:
+    """A 100-token prompt, 32 tokens hit in decode's prefix cache. The window keeps tokens
+    from 69 on, so vLLM lists its group's first four blocks as the null block 0."""
+    side = hybrid_side(producer=False)
+    req = FakeRequest("d", list(range(100)), decode_params())
+    assert side.get_num_new_matched_tokens(req, 32) == (68, True)  # type: ignore[arg-type]
+    blocks = vllm_blocks([11, 12, 5, 6, 7, 8, 9], [0, 0, 0, 0, 3, 4, 10], hashed=2)
+    side.update_state_after_alloc(req, blocks, 68)  # type: ignore[arg-type]
+    (spec,) = side.build_connector_meta(SimpleNamespace()).recv
+    assert spec.first_token == 32
+    assert spec.block_ids == (5, 6, 7, 8, 9, 0, 0, 3, 4, 10)
+
+
+def test_hybrid_groups_kvpush_cannot_pair_name_no_block(caplog: pytest.LogCaptureFixture) -> None:
+    side = hybrid_side(producer=False)
+    req = FakeRequest("d", list(range(100)), decode_params())
+    side.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+    uneven = vllm_blocks([1, 2, 5, 6, 7, 8, 9], [0, 0, 0, 0, 3, 4])
+    side.update_state_after_alloc(req, uneven, 100)  # type: ignore[arg-type]
+    (spec,) = side.build_connector_meta(SimpleNamespace()).recv
+    assert spec.block_ids == ()  # the transfer fails with the reason; nothing is written
+    assert "cannot pair them with prefill's" in caplog.text
+
+
+def test_a_hybrid_pull_prefill_answers_with_every_groups_blocks() -> None:
+    from vllm.v1.request import RequestStatus
+
+    prefill = hybrid_side(producer=True, mode="pull")
+    done = FakeRequest(
+        "p-1", list(range(40)), {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED,
+        40,
+    )  # fmt: skip
+    flat = prefill.flat_block_ids(done, ([9, 2, 4], [0, 5, 6]))  # type: ignore[arg-type]
+    _, params = prefill.request_finished(done, flat)  # type: ignore[arg-type]
+    assert params is not None and params["remote_block_ids"] == [9, 2, 4, 0, 5, 6]
+    (send,) = prefill.build_connector_meta(SimpleNamespace()).send
+    assert send.block_ids == (9, 2, 4, 0, 5, 6)
+    assert prefill.flat_block_ids(done, ([9, 2, 4], [5, 6])) == []  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("prompt", [97, 100, 112])
@@ -80,12 +138,12 @@ def test_a_full_decode_prefix_hit_needs_no_transfer_and_frees_prefill(prompt: in
     req = FakeRequest("d", list(range(prompt)), decode_params())
     hit = (prompt - 1) // 16 * 16
     assert side.get_num_new_matched_tokens(req, hit) == (0, False)  # type: ignore[arg-type]
-    side.update_state_after_alloc(req, FakeBlocks([7]), 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, vllm_blocks([7]), 0)  # type: ignore[arg-type]
     meta = side.build_connector_meta(SimpleNamespace())
     assert meta.recv == [] and meta.aborted == [AbortSpec("t1", "d", "127.0.0.1", 5600, 1)]
     # asked again (e.g. after a preemption): nothing to load, nothing to free twice
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
-    side.update_state_after_alloc(req, FakeBlocks([7]), 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, vllm_blocks([7]), 0)  # type: ignore[arg-type]
     assert side.build_connector_meta(SimpleNamespace()).aborted == []
 
 
@@ -108,7 +166,7 @@ def test_how_long_a_tail_decode_computes_itself_is_counted_in_tokens_not_blocks(
     side = SchedulerSide(config, "decode-0", is_producer=False)
     req = FakeRequest("d", list(range(prompt)), decode_params())
     assert side.get_num_new_matched_tokens(req, hit) == (tail, tail > 0)  # type: ignore[arg-type]
-    side.update_state_after_alloc(req, FakeBlocks([7]), tail)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, vllm_blocks([7]), tail)  # type: ignore[arg-type]
     meta = side.build_connector_meta(SimpleNamespace())
     if tail:
         (spec,) = meta.recv
@@ -134,7 +192,7 @@ def test_a_full_hit_still_takes_the_tail_from_prefill_when_its_first_token_is_pi
     pinned = SamplingParams(extra_args={"kvpush_first_token_of": "t1"})
     req = FakeRequest("d", list(range(100)), decode_params(), sampling_params=pinned)
     assert side.get_num_new_matched_tokens(req, 96) == (4, True)  # type: ignore[arg-type]
-    side.update_state_after_alloc(req, FakeBlocks([7]), 4)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, vllm_blocks([7]), 4)  # type: ignore[arg-type]
     (spec,) = side.build_connector_meta(SimpleNamespace()).recv
     assert (spec.first_token, spec.num_tokens, spec.block_ids) == (96, 100, (7,))
 
@@ -149,7 +207,7 @@ def test_decode_abort_before_arrival_is_forwarded() -> None:
     side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False)
     req = FakeRequest("r", list(range(4)), decode_params())
     side.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
-    side.update_state_after_alloc(req, FakeBlocks(), 4)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, vllm_blocks(), 4)  # type: ignore[arg-type]
     side.build_connector_meta(SimpleNamespace())
     assert side.request_finished(req, [3, 4]) == (False, None)  # type: ignore[arg-type]
     assert side.build_connector_meta(SimpleNamespace()).aborted == [AbortSpec("t1", "r")]
@@ -166,7 +224,7 @@ def test_a_decode_request_without_blocks_at_the_step_end_is_held() -> None:
     for req in (fast, slow, gone):
         side.on_new_request(req)  # type: ignore[arg-type]
     side.get_num_new_matched_tokens(fast, 0)  # type: ignore[arg-type]
-    side.update_state_after_alloc(fast, FakeBlocks(), 4)  # type: ignore[arg-type]
+    side.update_state_after_alloc(fast, vllm_blocks(), 4)  # type: ignore[arg-type]
     assert side.request_finished(gone, []) == (False, None)  # type: ignore[arg-type]
     meta = side.build_connector_meta(SimpleNamespace())
     assert [type(s).__name__ for s in meta.recv] == ["RecvSpec", "HoldSpec"]
@@ -174,7 +232,7 @@ def test_a_decode_request_without_blocks_at_the_step_end_is_held() -> None:
     assert meta.aborted == [AbortSpec("t-gone", "gone", "127.0.0.1", 5600, 1)]
     assert side.build_connector_meta(SimpleNamespace()).recv == [], "held once"
     side.get_num_new_matched_tokens(slow, 0)  # type: ignore[arg-type]
-    side.update_state_after_alloc(slow, FakeBlocks(), 4)  # type: ignore[arg-type]
+    side.update_state_after_alloc(slow, vllm_blocks(), 4)  # type: ignore[arg-type]
     (spec,) = side.build_connector_meta(SimpleNamespace()).recv
     assert isinstance(spec, RecvSpec) and spec.transfer_id == "t-slow"
 
@@ -286,7 +344,7 @@ def test_pull_decode_records_where_to_read_from() -> None:
     decode = SchedulerSide(KvpushConfig(mode="pull"), "decode-0", is_producer=False)
     req = FakeRequest("d-1", list(range(6)), dict(params or {}))  # what the proxy relays
     assert decode.get_num_new_matched_tokens(req, 0) == (6, True)  # type: ignore[arg-type]
-    decode.update_state_after_alloc(req, FakeBlocks([4, 7]), 6)  # type: ignore[arg-type]
+    decode.update_state_after_alloc(req, vllm_blocks([4, 7]), 6)  # type: ignore[arg-type]
     (spec,) = decode.build_connector_meta(SimpleNamespace()).recv
     assert (spec.transfer_id, spec.block_ids, spec.remote_block_ids) == ("p-1", (4, 7), (9, 2))
     assert (spec.num_tokens, spec.remote_num_tokens, spec.prefill_port) == (6, 6, 5600)
@@ -311,7 +369,7 @@ def test_pull_prefill_signs_its_coordinates_when_a_secret_is_set() -> None:
     decode = SchedulerSide(config, "decode-0", is_producer=False)
     req = FakeRequest("d-1", list(range(6)), dict(params))
     decode.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
-    decode.update_state_after_alloc(req, FakeBlocks([4, 7]), 6)  # type: ignore[arg-type]
+    decode.update_state_after_alloc(req, vllm_blocks([4, 7]), 6)  # type: ignore[arg-type]
     (spec,) = decode.build_connector_meta(SimpleNamespace()).recv
     assert (spec.remote_engine_id, spec.remote_grant) == ("prefill-0", params["kvpush_grant"])
 
