@@ -59,9 +59,11 @@ SHAPES = {
     "gqa-8x128": TinyModelSpec(heads=16, kv_heads=8, head_dim=128),
     "mla": TinyModelSpec(heads=4, head_dim=32, arch="deepseek_v2"),
     # vLLM's hybrid KV cache manager stays on (kvpush supports it): two KV cache groups,
-    # the windowed layers' keeping only their window's blocks, so only those move
+    # the windowed layers' keeping only their window's blocks, so only those move. The
+    # window spans two of vLLM's CPU blocks (128 tokens), so decode's prefix cache, which
+    # keeps only what decode holds, can hit (test_a_sliding_window_model_moves_...)
     "swa-hybrid": TinyModelSpec(
-        arch="llama", layers=4, heads=4, kv_heads=2, head_dim=64, sliding_window=32
+        arch="llama", layers=4, heads=4, kv_heads=2, head_dim=64, sliding_window=256
     ),
 }
 VLLM_REFERENCE = {"mla": "vllm-pull-nospin"}  # else one plain vLLM server
@@ -219,13 +221,27 @@ def test_a_sliding_window_model_moves_only_the_window_of_its_windowed_layers(
     assert deployment.external_tokens() - before[0] == WINDOWED_TOKENS
     moved = moved_bytes(deployment) - before[1]
     # 4 layers x 2 KV heads x 64 dims x K and V x 2 bytes: 2,048 bytes a token when every
-    # layer's KV moves; the full layers' half, plus the window's blocks (at most two of 128)
+    # layer's KV moves; the full layers' 1,024 of 8 whole blocks of 128 tokens, plus the
+    # window's 256 tokens from their block on (blocks 5-7: 1,024 of 3 blocks)
     every_layer = WINDOWED_TOKENS * 2048
-    assert every_layer / 2 <= moved <= every_layer / 2 + 2 * 128 * 1024, moved
+    assert moved == (8 + 3) * 128 * 1024, moved
+    # The prompt again, 200 tokens longer. Decode's prefix cache holds its whole blocks
+    # where every group holds them (vLLM's hybrid manager takes a hit only there): the full
+    # layers' blocks 0-6 and the window's 5-6, so 896 tokens hit and the tail from block 7
+    # on moves, for the windowed layers too.
+    turn = prompt + [rng.randrange(16, 1000) for _ in range(200)]
+    body = {**body, "prompt": turn}
+    reference = post(deployment.prefill + "/v1/completions", {**body, "cache_salt": setup})
+    before = deployment.external_tokens(), moved_bytes(deployment)
+    answer = post(deployment.proxy + "/v1/completions", body)
+    assert answer["choices"][0]["text"] == reference["choices"][0]["text"], setup
+    tail = deployment.external_tokens() - before[0]
+    assert tail == len(turn) - 896, f"{tail} of {len(turn)} tokens moved, not the tail after 896"
     for side in (deployment.prefill, deployment.decode):
         assert scrape.total(scrape.scrape(side), "kvpush:failures_total") == 0
     print(f"\n{setup}: {moved} bytes moved for {WINDOWED_TOKENS} tokens "
-          f"({moved / every_layer:.2f} of every layer's KV)")  # fmt: skip
+          f"({moved / every_layer:.2f} of every layer's KV); 200 tokens more: "
+          f"{tail:.0f} tokens, {moved_bytes(deployment) - before[1]:.0f} bytes")  # fmt: skip
 
 
 @pytest.mark.parametrize("setup", sorted(MODE_PORTS))

@@ -299,6 +299,48 @@ def test_hybrid_groups_move_their_own_blocks_and_nothing_else(
     assert torch.equal(dst.buffer[untouched], before[untouched])
 
 
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 4)])
+def test_hybrid_groups_across_tp_splits(src_tp: int, dst_tp: int) -> None:
+    """4 KV heads: each destination rank assembles its heads of every group's tokens from
+    the producer ranks `sources` names, one plan per group and rank pair."""
+    heads = 4
+
+    def rank_cache(tp: int) -> Cache:
+        return build(attention(heads // tp, 64), KVCacheLayout.LBHNC, layers=4, window=32,
+                     num_blocks=12, tp_size=tp, model_kv_heads=heads)  # fmt: skip
+
+    truth = build(attention(heads, 64), KVCacheLayout.LBHNC, layers=4, window=32,
+                  num_blocks=12)  # fmt: skip
+    fill(truth, 7)
+    producers = []
+    for rank in range(src_tp):
+        cache = rank_cache(src_tp)
+        first, end = head_range(rank, src_tp, heads)
+        for name in truth.facts.layer_names:
+            for block in range(12):
+                cache.block_bytes(name, block).copy_(truth.block_bytes(name, block)[:, first:end])
+        producers.append(cache)
+    src_blocks = PREFILL_FULL + PREFILL_WINDOW
+    dst_blocks = [7, 8, 9, 10, 11, 0, 0, 1, 2, 3]
+    for rank in range(dst_tp):
+        dst = rank_cache(dst_tp)
+        fill(dst, 9)
+        for src_rank in sources(rank, dst_tp, src_tp, heads):
+            src = producers[src_rank].layout
+            for start, s, d in group_ranges(src, src_blocks, dst.layout, dst_blocks, 0,
+                                            HYBRID_TOKENS):  # fmt: skip
+                copy(plan_transfer(src, s, dst.layout, d, HYBRID_TOKENS, first_token=start,
+                                   src_rank=src_rank, src_tp=src_tp, dst_rank=rank,
+                                   dst_tp=dst_tp).descriptors())  # fmt: skip
+        first, end = head_range(rank, dst_tp, heads)
+        lists = ((PREFILL_FULL, dst_blocks[:5], 0), (PREFILL_WINDOW[2:], dst_blocks[7:], 32))
+        for names, (s, d, start) in zip(truth.facts.group_layers, lists, strict=True):
+            for name in names:
+                got = dst.tokens(name, list(d), HYBRID_TOKENS - start, slice(None))
+                want = truth.tokens(name, list(s), HYBRID_TOKENS - start, slice(first, end))
+                assert torch.equal(got, want), (name, rank)
+
+
 def test_hybrid_groups_refuse_a_source_that_no_longer_holds_the_window() -> None:
     src = hybrid(KVCacheLayout.LBHNC)
     with pytest.raises(PlanError, match="no longer holds tokens"):
