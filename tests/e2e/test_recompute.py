@@ -1,12 +1,14 @@
 """vLLM's `kv_load_failure_policy: recompute` with kvpush: a transfer that fails becomes a
 slower answer, computed by decode, instead of an error.
 
-One deployment per mode (`kvpush up --kv-load-failure-policy recompute`, with the test
-hooks on). A transfer failed on purpose - NIXL's
-error state on the WRITE (push) or READ (pull), a registration prefill never got (push) -
-must still be answered, as the same request is answered when nothing fails, streamed and
-not; decode counts the failure, and both servers' KV is free afterwards. Safe because
-kvpush reports a failed transfer's blocks to vLLM only once no WRITE can land in them.
+One deployment per mode and model (`kvpush up --kv-load-failure-policy recompute`, with
+the test hooks on): the e2e model, and one whose layers alternate sliding-window and full
+attention (two KV cache groups, whose failed loads vLLM takes by request). A transfer
+failed on purpose - NIXL's error state on the WRITE (push) or READ (pull), a registration
+prefill never got (push) - must still be answered, as the same request is answered when
+nothing fails, streamed and not; decode counts the failure, and both servers' KV is free
+afterwards. Safe because kvpush reports a failed transfer to vLLM only once no WRITE can
+land in its blocks any more.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.testbed import scrape
+from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
 from tests.e2e.conftest import (
     BASE_PORT,
     KV_PORT,
@@ -34,6 +37,10 @@ pytestmark = pytest.mark.e2e
 
 PORT, KV = BASE_PORT + 45, KV_PORT + 45  # clear of the other modules' deployments
 FAULTS = "nixl_error,drop_registration"
+# Layers alternating a sliding window and full attention: vLLM's hybrid KV cache manager
+# keeps two KV cache groups, and takes a failed load by request (`failed_recving`)
+HYBRID = TinyModelSpec(arch="llama", layers=4, heads=4, kv_heads=2, head_dim=64,
+                       sliding_window=32)  # fmt: skip
 # short, so that a lost registration fails within seconds
 SETTINGS = {"transfer_timeout_s": 3.0, "prefill_timeout_s": 3.0, "fence_s": 1.0}
 
@@ -49,20 +56,27 @@ class Pair:
         return {"prefill": self.deployment.prefill, "decode": self.deployment.decode}
 
 
-@pytest.fixture(scope="module", params=["push", "pull"])
+@pytest.fixture(
+    scope="module",
+    params=[(mode, model) for model in ("gqa4", "swa-hybrid") for mode in ("push", "pull")],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def pair(
     request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
     """`kvpush up` as a user starts it, with vLLM's recompute policy and the test hooks."""
-    mode = str(request.param)
-    workdir = tmp_path_factory.mktemp(f"recompute-{mode}")
+    mode, name = request.param
+    model = tiny_model
+    if name == "swa-hybrid":
+        model = ensure_tiny_model(tmp_path_factory.mktemp("models") / name, HYBRID)
+    workdir = tmp_path_factory.mktemp(f"recompute-{mode}-{name}")
     extra = ("--kv-load-failure-policy", "recompute", "--kv-extra-config", json.dumps(SETTINGS))
     deployment = launch(
-        f"kvpush-{mode}", tiny_model, workdir, *extra,
+        f"kvpush-{mode}", model, workdir, *extra,
         port=PORT, kv_port=KV, env={"KVPUSH_FAULTS": FAULTS},
     )  # fmt: skip
     try:
-        yield Pair(mode, tiny_model, wait_ready(deployment))
+        yield Pair(mode, model, wait_ready(deployment))
     finally:
         deployment.stop()
 
