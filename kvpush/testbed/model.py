@@ -3,8 +3,9 @@
 The model is a Qwen2-architecture decoder (or, with --arch deepseek_v2, a DeepSeek-V2
 style one with multi-head latent attention, MLA; or, with --arch llama, a Llama one, whose
 layers can alternate sliding-window and full attention with --sliding-window, as gpt-oss
-and Gemma 3 do) with random weights and a byte-level BPE tokenizer trained locally on a
-synthetic corpus. Its outputs are gibberish but
+and Gemma 3 do, or all be windowed with --every-layer-windowed too) with random weights
+and a byte-level BPE tokenizer trained locally on a synthetic corpus. Its outputs are
+gibberish but
 deterministic at temperature 0, which is what equality tests need. The shape flags let a
 benchmark choose how many KV bytes each token carries:
     qwen2, llama: kv_bytes_per_token = layers * 2 (K and V) * kv_heads * head_dim * dtype_bytes
@@ -83,6 +84,7 @@ class TinyModelSpec:
     seed: int = 0
     arch: str = "qwen2"
     sliding_window: int = 0  # llama: every other layer, from the first, attends this far back
+    every_layer_windowed: bool = False  # with sliding_window: every layer, as Mistral 7B v0.1
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "kv_heads", "head_dim", "intermediate_size"):
@@ -103,6 +105,8 @@ class TinyModelSpec:
                 f"--sliding-window needs --arch llama (vLLM's {self.arch} runs every layer "
                 "with full attention)"
             )
+        if self.every_layer_windowed and not self.sliding_window:
+            raise ValueError("--every-layer-windowed needs --sliding-window")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
@@ -112,9 +116,12 @@ class TinyModelSpec:
 
     @property
     def layer_types(self) -> list[str]:
-        """Per layer, as Hugging Face configs say it: windowed layers alternate with full."""
+        """Per layer, as Hugging Face configs say it: windowed layers alternate with full
+        (or, `every_layer_windowed`, are all there is)."""
         if not self.sliding_window:
             return ["full_attention"] * self.layers
+        if self.every_layer_windowed:
+            return ["sliding_attention"] * self.layers
         return [("sliding_attention", "full_attention")[i % 2] for i in range(self.layers)]
 
     @property

@@ -19,6 +19,7 @@ examples:
   kvpush model tiny models/mla --arch deepseek_v2   # multi-head latent attention
   kvpush model tiny models/swa --arch llama --layers 4 --sliding-window 32
                                          # sliding-window layers between full ones
+  kvpush model tiny models/swo --arch llama --sliding-window 256 --every-layer-windowed
 """
 
 
@@ -62,6 +63,12 @@ def register(subparsers: Any) -> None:
         help="--arch llama: every other layer, from the first, attends only this many "
         "tokens back, the others the whole context (default 0: every layer full)",
     )
+    tiny.add_argument(
+        "--every-layer-windowed",
+        action="store_true",
+        help="with --sliding-window: every layer attends through the window (as Mistral 7B "
+        "v0.1), none the whole context",
+    )
     tiny.add_argument("--seed", type=int, default=defaults.seed)
     tiny.set_defaults(func=_run_tiny)
 
@@ -79,6 +86,7 @@ def _run_tiny(args: argparse.Namespace) -> int:
             seed=args.seed,
             arch=args.arch,
             sliding_window=args.sliding_window,
+            every_layer_windowed=args.every_layer_windowed,
         )
     except ValueError as exc:
         print(f"kvpush model tiny: {exc}", file=sys.stderr)
@@ -95,7 +103,8 @@ def _run_tiny(args: argparse.Namespace) -> int:
         f"built {summary['path']}: {spec.arch}, {spec.layers} layers, "
         + ("MLA latent 512+64" if spec.arch == "deepseek_v2" else
            f"{spec.kv_heads} KV heads x {spec.head_dim} dims")  # fmt: skip
-        + (f", sliding window {spec.sliding_window} on every other layer"
+        + (f", sliding window {spec.sliding_window} on "
+           f"{'every' if spec.every_layer_windowed else 'every other'} layer"
            if spec.sliding_window else "")  # fmt: skip
         + f", {spec.dtype}, vocab {summary['vocab']}, "
         f"{spec.kv_bytes_per_token} KV bytes/token"

@@ -170,6 +170,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
                 local=node.queue if node is not None else None,
                 group_ids=self.facts.group_ids,
                 block_size=self.facts.block_size,
+                windowed=self.facts.windowed,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -19,9 +19,9 @@ from typing import Any
 from kvpush.core.planning import KVLayout, PlanError
 
 SUPPORTED = (
-    "kvpush moves the KV cache of decoder models whose layers keep full attention or MLA, "
-    "with or without sliding-window layers between them (every vLLM KV cache layout; KV "
-    "cache dtype auto, bfloat16, float16, float32 or fp8 with per-tensor scales)"
+    "kvpush moves the KV cache of decoder models whose layers keep full attention, MLA or a "
+    "sliding window (every vLLM KV cache layout; KV cache dtype auto, bfloat16, float16, "
+    "float32 or fp8 with per-tensor scales)"
 )
 _PLAIN_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 _FP8_ALIASES = {"fp8": "fp8_e4m3", "fp8_inc": "fp8_e4m3"}
@@ -43,6 +43,7 @@ class KVCacheFacts:
     total_heads: int  # distinct KV heads across the TP group
     kv_dtype: str  # what the two sides must agree on, e.g. "bfloat16" or "fp8_e4m3"
     mla: bool
+    windowed: bool = False  # a group attends through a sliding window: vLLM drops its blocks
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -92,15 +93,6 @@ def kv_cache_facts(
                 raise refuse("its layers have different KV cache shapes")
             (spec,) = uniform
         specs.append(spec)
-    if len(specs) == 1 and isinstance(specs[0], SlidingWindowSpec):
-        window = specs[0].sliding_window
-        raise refuse(
-            f"every layer of it attends through a {window}-token sliding window "
-            "(SlidingWindowSpec), and vLLM frees the blocks below the window as a request "
-            "goes. Serve both sides with --disable-sliding-window to run it as full "
-            f"attention (vLLM then caps the context at {window} tokens). Models "
-            "that mix windowed and full layers run as they are"
-        )
     for spec in specs:
         if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
             hybrid = " (in a hybrid model: kvpush moves attention caches only)" * (len(specs) > 1)
@@ -140,6 +132,7 @@ def kv_cache_facts(
         total_heads=total_heads,
         kv_dtype=_FP8_ALIASES.get(dtype, dtype),
         mla=isinstance(spec, MLAAttentionSpec),
+        windowed=any(isinstance(s, SlidingWindowSpec) for s in specs),
     )
 
 

@@ -53,12 +53,15 @@ class SchedulerSide:
         local: HandOff | None = None,
         group_ids: tuple[int, ...] = (0,),
         block_size: int = 16,
+        windowed: bool = False,
     ) -> None:
         self.config = config
         # vLLM's KV cache groups kvpush moves (several with its hybrid KV cache manager),
         # and their blocks' tokens: a request's block list is theirs, concatenated
         self.group_ids = group_ids
         self.block_size = block_size
+        # a group attends through a sliding window: vLLM's null block stands in its lists
+        self.windowed = windowed
         # the node's hand-off when it runs in this process (vLLM's in-process executor)
         self.local = local
         self.engine_id = engine_id
@@ -180,13 +183,13 @@ class SchedulerSide:
     ) -> tuple[int, ...]:
         """Decode's blocks for the tokens from `first_token` on, every group's concatenated.
 
-        One group: the blocks without a hash (the prefix-cache hits have one). Several:
-        each group's list from the block of `first_token`, vLLM's null block standing for
-        those a sliding-window group does not keep. A list kvpush cannot pair (a cached
-        block past the hit, groups of unequal length) is left empty: the transfer then
-        fails with the reason, and nothing is written.
+        One group of full attention: the blocks without a hash (the prefix-cache hits have
+        one). Several, or a sliding window: each group's list from the block of
+        `first_token`, vLLM's null block standing for those a window does not keep. A list
+        kvpush cannot pair (a cached block past the hit, groups of unequal length) is left
+        empty: the transfer then fails with the reason, and nothing is written.
         """
-        if len(self.group_ids) == 1:
+        if len(self.group_ids) == 1 and not self.windowed:
             group = blocks.blocks[self.group_ids[0]]
             return tuple(b.block_id for b in group if b.block_hash is None)
         first = first_token // self.block_size

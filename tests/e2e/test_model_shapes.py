@@ -65,6 +65,11 @@ SHAPES = {
     "swa-hybrid": TinyModelSpec(
         arch="llama", layers=4, heads=4, kv_heads=2, head_dim=64, sliding_window=256
     ),
+    # every layer windowed, as Mistral 7B v0.1: one KV cache group, its window's blocks only
+    "swa-only": TinyModelSpec(
+        arch="llama", layers=4, heads=4, kv_heads=2, head_dim=64, sliding_window=256,
+        every_layer_windowed=True,
+    ),  # fmt: skip
 }
 VLLM_REFERENCE = {"mla": "vllm-pull-nospin"}  # else one plain vLLM server
 # clear of the shared deployments (BASE_PORT) and the other modules' (+10, +20)
@@ -73,6 +78,9 @@ HANDOFF_PATHS = ("direct", "next_step")
 # The articles' scale: 12k tokens of 8 KV heads x 128 dims are ~100 MB of KV in one transfer
 LONG_SHAPE, LONG_TOKENS = "gqa-8x128", 12_000
 WINDOWED_SHAPE, WINDOWED_TOKENS = "swa-hybrid", 1_000
+# What a 1,000-token prompt moves, in blocks of 128 tokens x 512 bytes a layer: the full
+# layers' 8 blocks, the windowed layers' 3 (its 256 tokens from their block on, 5-7)
+WINDOWED_BYTES = {"swa-hybrid": (2 * 8 + 2 * 3) * 128 * 512, "swa-only": 4 * 3 * 128 * 512}
 MODE_PORTS = {"kvpush-push": (BASE_PORT + 40, KV_PORT + 40),
               "kvpush-pull": (BASE_PORT + 50, KV_PORT + 50)}  # fmt: skip
 
@@ -205,11 +213,12 @@ def test_a_sliding_window_model_moves_only_the_window_of_its_windowed_layers(
     """vLLM's hybrid KV cache manager on, its default: the full-attention layers' KV moves
     whole, the windowed layers' only from their window's first block (vLLM's null block
     stands for those below it on both sides), and the answer still equals prefill's own."""
-    if run.shape != WINDOWED_SHAPE:
-        pytest.skip(f"the windowed layers are {WINDOWED_SHAPE}'s")
+    if run.shape not in WINDOWED_BYTES:
+        pytest.skip(f"the windowed layers are {', '.join(WINDOWED_BYTES)}'s")
     deployment = run.deployments[setup]
     logs = server_logs(run.work / setup)
-    assert "in 2 KV cache groups" in logs, "vLLM's hybrid KV cache manager stayed off"
+    if run.shape == WINDOWED_SHAPE:
+        assert "in 2 KV cache groups" in logs, "vLLM's hybrid KV cache manager stayed off"
     assert "Turning off hybrid kv cache manager" not in logs
     rng = random.Random(WINDOWED_TOKENS)
     prompt = [rng.randrange(16, 1000) for _ in range(WINDOWED_TOKENS)]
@@ -221,14 +230,13 @@ def test_a_sliding_window_model_moves_only_the_window_of_its_windowed_layers(
     assert deployment.external_tokens() - before[0] == WINDOWED_TOKENS
     moved = moved_bytes(deployment) - before[1]
     # 4 layers x 2 KV heads x 64 dims x K and V x 2 bytes: 2,048 bytes a token when every
-    # layer's KV moves; the full layers' 1,024 of 8 whole blocks of 128 tokens, plus the
-    # window's 256 tokens from their block on (blocks 5-7: 1,024 of 3 blocks)
+    # layer's KV moves
     every_layer = WINDOWED_TOKENS * 2048
-    assert moved == (8 + 3) * 128 * 1024, moved
+    assert moved == WINDOWED_BYTES[run.shape], moved
     # The prompt again, 200 tokens longer. Decode's prefix cache holds its whole blocks
     # where every group holds them (vLLM's hybrid manager takes a hit only there): the full
     # layers' blocks 0-6 and the window's 5-6, so 896 tokens hit and the tail from block 7
-    # on moves, for the windowed layers too.
+    # on moves, for the windowed layers too (every layer windowed: blocks 5-6 suffice).
     turn = prompt + [rng.randrange(16, 1000) for _ in range(200)]
     body = {**body, "prompt": turn}
     reference = post(deployment.prefill + "/v1/completions", {**body, "cache_salt": setup})

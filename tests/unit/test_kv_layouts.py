@@ -374,7 +374,7 @@ def refused(groups: list[KVCacheGroupSpec], **kwargs: Any) -> str:
     with pytest.raises(UnsupportedKVCache) as failure:
         kv_cache_facts(config, **args)
     message = str(failure.value)
-    assert "org/model" in message and "full attention or MLA" in message
+    assert "org/model" in message and "full attention, MLA or a sliding window" in message
     return message
 
 
@@ -394,9 +394,11 @@ def test_what_kvpush_cannot_move_exactly_is_refused_at_start() -> None:
     assert "differ in block size, heads" in refused([full, KVCacheGroupSpec(["b"], wider)])
     state = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,))
     assert "attention caches only" in refused([full, KVCacheGroupSpec(["m"], state)])
-    only_windows = refused([KVCacheGroupSpec(["b"], window)])
-    assert "128-token sliding window" in only_windows
-    assert "--disable-sliding-window" in only_windows
+    only_windows = KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
+                                 kv_cache_groups=[KVCacheGroupSpec(["b"], window)])  # fmt: skip
+    facts = kv_cache_facts(only_windows, model="org/model", tp_size=1, model_kv_heads=2,
+                           cache_dtype="auto")  # fmt: skip
+    assert facts.windowed and facts.group_ids == (0,)  # every layer windowed: moved too
     per_token = FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.int8,
         kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD,

@@ -62,6 +62,10 @@ def test_a_llama_with_a_sliding_window_alternates_windowed_and_full_layers(
     assert (config["sliding_window"], config["head_dim"]) == (24, 16)
     plain = TinyModelSpec(arch="llama", layers=2)
     assert plain.layer_types == ["full_attention"] * 2
+    windowed = TinyModelSpec(arch="llama", layers=2, sliding_window=8, every_layer_windowed=True)
+    assert windowed.layer_types == ["sliding_attention"] * 2
+    with pytest.raises(ValueError, match="--every-layer-windowed needs --sliding-window"):
+        TinyModelSpec(arch="llama", every_layer_windowed=True)
 
 
 def test_ensure_tiny_model_reuses_a_matching_build(tmp_path: Path) -> None:

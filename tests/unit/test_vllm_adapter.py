@@ -102,6 +102,20 @@ def test_a_hybrid_decode_registers_each_groups_blocks_from_the_first_uncached_to
     assert spec.block_ids == (5, 6, 7, 8, 9, 0, 0, 3, 4, 10)
 
 
+def test_a_windowed_decode_lists_its_blocks_by_position_not_by_hash() -> None:
+    """Every layer windowed (one group): vLLM lists the window's dropped blocks as the null
+    block, then the prefix-cache hits, then the new blocks. Leaving out the hashed ones
+    would shift the new blocks to where the nulls were."""
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, block_size=16,
+                         windowed=True)  # fmt: skip
+    req = FakeRequest("d", list(range(150)), decode_params())
+    assert side.get_num_new_matched_tokens(req, 112) == (38, True)  # type: ignore[arg-type]
+    blocks = vllm_blocks([0, 0, 0, 0, 0, 6, 9, 4, 5, 8], hashed=7)
+    side.update_state_after_alloc(req, blocks, 38)  # type: ignore[arg-type]
+    (spec,) = side.build_connector_meta(SimpleNamespace()).recv
+    assert (spec.first_token, spec.block_ids) == (112, (4, 5, 8))
+
+
 def test_hybrid_groups_kvpush_cannot_pair_name_no_block(caplog: pytest.LogCaptureFixture) -> None:
     side = hybrid_side(producer=False)
     req = FakeRequest("d", list(range(100)), decode_params())
