@@ -528,51 +528,36 @@ def group_ranges(
     first_token: int,
     num_tokens: int,
 ) -> list[tuple[int, Sequence[int], Sequence[int]]]:
-    """One copy per KV cache group: `group_range` of each group's pair of lists."""
+    """One copy per KV cache group: where it starts, and both sides' lists cut to start there.
+
+    Each side's list holds its groups' lists one after the other (`group_lists`), each
+    beginning with the block that holds `first_token` on that side. A sliding-window group
+    has vLLM's null block below its window: its copy starts at the destination's first
+    real block, and the source must hold every token from there on.
+    """
     if src.groups != dst.groups:
         raise PlanError(f"the source keeps {src.groups} KV cache groups, the destination "
                         f"{dst.groups}")  # fmt: skip
-    return [
-        group_range(src, s, dst, d, first_token, num_tokens)
-        for s, d in zip(
-            group_lists("the source", src, src_blocks),
-            group_lists("the destination", dst, dst_blocks),
-            strict=True,
-        )
-    ]
-
-
-def group_range(
-    src: KVLayout,
-    src_blocks: Sequence[int],
-    dst: KVLayout,
-    dst_blocks: Sequence[int],
-    first_token: int,
-    num_tokens: int,
-) -> tuple[int, Sequence[int], Sequence[int]]:
-    """Where one KV cache group's copy starts, and both sides' lists cut to start there.
-
-    Each list begins with the block that holds `first_token` on its side. A sliding-window
-    group has vLLM's null block below its window: the copy starts at the destination's
-    first real block, and the source must hold every token from there on.
-    """
     s_first, d_first = first_token // src.block_tokens, first_token // dst.block_tokens
-    needed = blocks_needed(dst, first_token, num_tokens)
-    start = max(first_token, (d_first + leading_nulls("the destination", dst_blocks[:needed]))
-                * dst.block_tokens)  # fmt: skip
-    start = min(start, num_tokens)
     s_needed = blocks_needed(src, first_token, num_tokens)
-    held = (s_first + leading_nulls("the source", src_blocks[:s_needed])) * src.block_tokens
-    if held > start:
-        raise PlanError(
-            f"the source no longer holds tokens [{start}, {held}) of a sliding-window KV "
-            "cache group that the destination needs"
-        )
-    return (
-        start,
-        src_blocks[start // src.block_tokens - s_first :],
-        dst_blocks[start // dst.block_tokens - d_first :],
-    )
+    d_needed = blocks_needed(dst, first_token, num_tokens)
+    ranges: list[tuple[int, Sequence[int], Sequence[int]]] = []
+    for s, d in zip(
+        group_lists("the source", src, src_blocks),
+        group_lists("the destination", dst, dst_blocks),
+        strict=True,
+    ):
+        real = (d_first + leading_nulls("the destination", d[:d_needed])) * dst.block_tokens
+        start = min(max(first_token, real), num_tokens)
+        held = (s_first + leading_nulls("the source", s[:s_needed])) * src.block_tokens
+        if held > start:
+            raise PlanError(
+                f"the source no longer holds tokens [{start}, {held}) of a sliding-window "
+                "KV cache group that the destination needs"
+            )
+        cut_s, cut_d = start // src.block_tokens - s_first, start // dst.block_tokens - d_first
+        ranges.append((start, s[cut_s:], d[cut_d:]))
+    return ranges
 
 
 def blocks_needed(layout: KVLayout, first_token: int, num_tokens: int) -> int:
