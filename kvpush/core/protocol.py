@@ -74,6 +74,10 @@ FIRST_TOKEN_ARG = "kvpush_first_token"
 FIRST_TOKEN_OF_ARG = "kvpush_first_token_of"
 FIRST_TOKEN_PARAM = "first_token_id"
 NO_TOKEN = -1
+# Push, prefill's kv_transfer_params: the prefill engine decode registers with. An engine
+# that gets a request meant for another (a data-parallel front end that did not honour
+# the proxy's X-data-parallel-rank) frees its KV at once instead of holding it for nobody.
+ENGINE_PARAM = "kvpush_engine_id"
 
 
 def is_token_id(value: object) -> TypeGuard[int]:

@@ -41,10 +41,34 @@ class Backends:
         self.pools = pools
         self.metrics = metrics
         self._flights: dict[BackendState, set[Flight]] = {}
+        # push: legs in flight per data-parallel engine of each prefill (by URL), and where
+        # the next tie goes, so that engines share a burst as vLLM's own balancing would
+        self._dp_legs: dict[str, list[int]] = {}
+        self._dp_next: dict[str, int] = {}
 
     def choose(self, role: str, units: float, tried: set[str]) -> BackendState:
         """The backend of `role` for a leg of `units`, not one of `tried` (NoBackend if none)."""
         return self.pools[role].pick(units, time.monotonic(), tried)
+
+    def take_dp_rank(self, backend: rewrite.Backend) -> int:
+        """The data-parallel engine of push prefill `backend` for a new leg: the one with
+        the fewest legs in flight, ties taking turns. Give it back with `give_dp_rank`."""
+        if backend.dp_size == 1:
+            return 0
+        legs = self._dp_legs.get(backend.url)
+        if legs is None or len(legs) != backend.dp_size:
+            legs = self._dp_legs[backend.url] = [0] * backend.dp_size
+        start = self._dp_next.get(backend.url, 0) % backend.dp_size
+        order = [(start + i) % backend.dp_size for i in range(backend.dp_size)]
+        rank = min(order, key=legs.__getitem__)
+        legs[rank] += 1
+        self._dp_next[backend.url] = rank + 1
+        return rank
+
+    def give_dp_rank(self, backend: rewrite.Backend, rank: int) -> None:
+        legs = self._dp_legs.get(backend.url)
+        if backend.dp_size > 1 and legs is not None and rank < len(legs) and legs[rank] > 0:
+            legs[rank] -= 1
 
     def first_token_of(self, state: BackendState, source: str) -> None:
         """Record whose first token decode `state` continues from ("pinned": prefill's,

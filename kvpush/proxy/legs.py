@@ -151,17 +151,37 @@ class Legs:
     async def _push_pair(
         self, job: Job, prefill: BackendState, decode: BackendState, rid: str, relay: Relay
     ) -> None:
+        # A data-parallel prefill: decode registers with the engine chosen here, and
+        # prefill's leg is pinned to it
+        dp_rank = self.backends.take_dp_rank(prefill.backend)
+        try:
+            await self._push_legs(job, prefill, decode, rid, relay, dp_rank)
+        finally:
+            self.backends.give_dp_rank(prefill.backend, dp_rank)
+
+    async def _push_legs(
+        self,
+        job: Job,
+        prefill: BackendState,
+        decode: BackendState,
+        rid: str,
+        relay: Relay,
+        dp_rank: int,
+    ) -> None:
+        engine_id, _ = prefill.backend.engine(dp_rank)
         decode_body = rewrite.decode_body(
-            job.body, rewrite.push_decode_params(prefill.backend, rid)
+            job.body, rewrite.push_decode_params(prefill.backend, rid, dp_rank)
         )
         if relay.splice is not None:
             decode_body = first_token.pin_push(decode_body, rid)
+        pinned = {rewrite.DP_RANK_HEADER: str(dp_rank)} if prefill.backend.dp_size > 1 else {}
         # Prefill's request goes out first: the client's first token is prefill's, and
         # its forward takes far longer than decode needs to register (decode's leg, sent
         # right after, still registers before prefill finishes). Sent the other way round,
         # prefill waited for the event loop to build and write decode's request.
+        prefill_params = rewrite.push_prefill_params(rid, engine_id)
         prefill_task = asyncio.ensure_future(
-            self._prefill(prefill, job, rewrite.push_prefill_params(rid), relay, rid)
+            self._prefill(prefill, job, prefill_params, relay, rid, pinned)
         )
         decode_task = asyncio.ensure_future(self._decode(decode, job, decode_body, rid, relay))
         try:
@@ -187,6 +207,7 @@ class Legs:
         params: dict[str, Any],
         relay: Relay,
         rid: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> dict[str, Any] | None:
         """The prefill leg; in pull mode returns the coordinates decode needs."""
         backend = state.backend
@@ -197,7 +218,7 @@ class Legs:
                 backend,
                 job.path,
                 rewrite.prefill_body(job.body, params),
-                job.headers(rid or job.request_id),
+                {**job.headers(rid or job.request_id), **(headers or {})},
             )
             flight.answered()
             seconds = time.perf_counter() - started

@@ -4,6 +4,8 @@ Pull: the prefill leg runs the prompt with max_tokens=1 and returns `kv_transfer
 (prefill's coordinates and block ids); the decode leg carries those back to the engine.
 Push: the decode instance is chosen up front; both legs are sent at once with the same
 request id, and decode is told where prefill lives (engine id, side-channel host/port, TP).
+A data-parallel prefill (`dp=N`) runs N engines behind one API server: the proxy picks the
+engine, names it to decode, and pins prefill's leg to it (vLLM's `X-data-parallel-rank`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvpush.core.protocol import MODES
+from kvpush.core.protocol import ENGINE_PARAM, MODES
 
 # Fields that only make sense for the client-facing leg and must not reach prefill.
 _PREFILL_DROPPED = ("stream_options", "logprobs", "top_logprobs", "n", "best_of", "min_tokens")
@@ -34,14 +36,26 @@ class Backend:
     kv_host: str = ""
     kv_port: int = 0
     tp_size: int = 1
+    dp_size: int = 1  # data-parallel engines behind its one API server (push prefill)
 
     @property
     def has_kv_coordinates(self) -> bool:
         return bool(self.engine_id and self.kv_host and self.kv_port)
 
+    def engine(self, dp_rank: int) -> tuple[str, int]:
+        """The engine id and first control port of its data-parallel engine `dp_rank`:
+        vLLM appends "_dp<rank>" to a data-parallel engine's id, and kvpush gives each
+        engine's TP ranks the control ports after the previous engine's."""
+        if self.dp_size == 1:
+            return self.engine_id, self.kv_port
+        return f"{self.engine_id}_dp{dp_rank}", self.kv_port + dp_rank * self.tp_size
+
+
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM runs the request on that engine
+
 
 def parse_backend(spec: str) -> Backend:
-    """Parse `URL[,engine=ID][,kv=HOST:PORT][,tp=N]` as given on the command line."""
+    """Parse `URL[,engine=ID][,kv=HOST:PORT][,tp=N][,dp=N]` as given on the command line."""
     url, *options = [part.strip() for part in spec.split(",")]
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -58,22 +72,32 @@ def parse_backend(spec: str) -> Backend:
             if not colon or not port.isdigit():
                 raise ValueError(f"backend {spec!r}: kv={value!r} must be HOST:PORT")
             fields["kv_host"], fields["kv_port"] = host, int(port)
-        elif key == "tp":
+        elif key in ("tp", "dp"):
             if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"backend {spec!r}: tp={value!r} must be a positive integer")
-            fields["tp_size"] = int(value)
+                raise ValueError(f"backend {spec!r}: {key}={value!r} must be a positive integer")
+            fields[f"{key}_size"] = int(value)
         else:
-            raise ValueError(f"backend {spec!r}: unknown option {key!r} (use engine, kv, tp)")
-    return Backend(**fields)
+            raise ValueError(
+                f"backend {spec!r}: unknown option {key!r} (use engine, kv, tp, dp)"
+            )
+    backend = Backend(**fields)
+    if backend.dp_size > 1 and not backend.has_kv_coordinates:
+        raise ValueError(
+            f"backend {spec!r}: dp= names the data-parallel engines of a push prefill, "
+            "which also needs engine=ID,kv=HOST:PORT (a pull prefill answers with its "
+            "engine's own coordinates: leave dp= out)"
+        )
+    return backend
 
 
 def format_backend(backend: Backend) -> str:
     """Inverse of `parse_backend`."""
     if not backend.has_kv_coordinates:
         return backend.url
+    dp = f",dp={backend.dp_size}" if backend.dp_size > 1 else ""
     return (
         f"{backend.url},engine={backend.engine_id},"
-        f"kv={backend.kv_host}:{backend.kv_port},tp={backend.tp_size}"
+        f"kv={backend.kv_host}:{backend.kv_port},tp={backend.tp_size}{dp}"
     )
 
 
@@ -190,24 +214,27 @@ def pull_prefill_params() -> dict[str, Any]:
     }
 
 
-def push_prefill_params(transfer_id: str) -> dict[str, Any]:
+def push_prefill_params(transfer_id: str, engine_id: str = "") -> dict[str, Any]:
     params = pull_prefill_params()
     params["transfer_id"] = transfer_id
+    if engine_id:
+        params[ENGINE_PARAM] = engine_id  # checked by that engine
     return params
 
 
-def push_decode_params(prefill: Backend, transfer_id: str) -> dict[str, Any]:
+def push_decode_params(prefill: Backend, transfer_id: str, dp_rank: int = 0) -> dict[str, Any]:
     if not prefill.has_kv_coordinates:
         raise ValueError(
             f"prefill backend {prefill.url} has no KV coordinates; push mode needs "
-            "--prefill URL,engine=ID,kv=HOST:PORT[,tp=N]"
+            "--prefill URL,engine=ID,kv=HOST:PORT[,tp=N][,dp=N]"
         )
+    engine_id, port = prefill.engine(dp_rank)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_engine_id": prefill.engine_id,
+        "remote_engine_id": engine_id,
         "remote_host": prefill.kv_host,
-        "remote_port": prefill.kv_port,
+        "remote_port": port,
         "remote_request_id": transfer_id,
         "remote_block_ids": [],
         "tp_size": prefill.tp_size,

@@ -326,7 +326,14 @@ class ServerSpec:
 
     def backend(self) -> Backend:
         if self.role == "prefill":
-            return Backend(self.url, self.engine_id, self.address, self.kv_port, self.parallel.tp)
+            return Backend(
+                self.url,
+                self.engine_id,
+                self.address,
+                self.kv_port,
+                self.parallel.tp,
+                self.parallel.dp,
+            )
         return Backend(self.url)
 
 

@@ -132,7 +132,7 @@ def register(subparsers: Any) -> None:
             default=1,
             metavar="N",
             help=f"data-parallel size of each {role} server (default 1)"
-            + ("; push mode needs 1" if role == "prefill" else ""),
+            + ("; in push mode the proxy picks the engine" if role == "prefill" else ""),
         )
         parser.add_argument(
             f"--{role}-block-size",

@@ -139,20 +139,11 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
             dcp_size=parallel.decode_context_parallel_size,
         )
         # vLLM gives each data-parallel engine its own engine id (it appends "_dp<rank>");
-        # its ranks' control ports follow the previous engine's
+        # its ranks' control ports follow the previous engine's. (vLLM runs each DP engine
+        # of a dense model as DP size 1: its index tells.) A data-parallel push prefill
+        # relies on the proxy to choose the engine decode registers with and to pin
+        # prefill's request to it (X-data-parallel-rank; `SchedulerSide._not_ours`).
         dp_index = int(getattr(parallel, "data_parallel_index", 0) or 0)
-        if (
-            self.config.mode == "push"
-            and transfer.kv_role == "kv_producer"
-            and (parallel.data_parallel_size > 1 or dp_index > 0)
-        ):
-            # (vLLM runs each DP engine of a dense model as DP size 1: its index tells)
-            raise ValueError(
-                "kvpush push mode cannot serve a data-parallel prefill (--data-parallel-size "
-                "above 1): decode registers with prefill before the "
-                "request reaches it, and cannot know which DP engine will run it; run one "
-                "prefill server per DP rank behind the proxy, or use pull mode"
-            )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -21,7 +21,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpush.core.protocol import FIRST_TOKEN_OF_ARG, FIRST_TOKEN_PARAM, NO_TOKEN, grant
+from kvpush.core.protocol import (
+    ENGINE_PARAM,
+    FIRST_TOKEN_OF_ARG,
+    FIRST_TOKEN_PARAM,
+    NO_TOKEN,
+    grant,
+)
 from kvpush.node.config import KvpushConfig
 from kvpush.node.direct import DirectSender
 from kvpush.node.results import HookTimer
@@ -287,7 +293,7 @@ class SchedulerSide:
             return False, None
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
-        if not _finished_normally(request) or not block_ids:
+        if not _finished_normally(request) or not block_ids or self._not_ours(params, request):
             self._aborted.append(AbortSpec(transfer_id, request.request_id))
             return False, None
         outputs = request.output_token_ids
@@ -330,6 +336,23 @@ class SchedulerSide:
                 self.tp_size,
             )
         return True, coordinates
+
+    def _not_ours(self, params: dict[str, Any], request: Request) -> bool:
+        """Push: decode registered with another prefill engine than this one, so no WRITE
+        of this prefill would ever pair up; its KV is freed at once."""
+        meant = params.get(ENGINE_PARAM)
+        if self.config.mode != "push" or not meant or meant == self.engine_id:
+            return False
+        log.error(
+            "kvpush: request %s was meant for prefill engine %s, but ran on %s; its KV is "
+            "freed and decode fails it at its prefill_timeout_s. A data-parallel prefill "
+            "must run each request on the engine the proxy chose (vLLM's "
+            "X-data-parallel-rank header); check the proxy's engine= for this server",
+            request.request_id,
+            meant,
+            self.engine_id,
+        )
+        return True
 
     def update_connector_output(
         self, finished_sending: Iterable[str], finished_recving: Iterable[str]

@@ -14,9 +14,11 @@ at a time, next to a plain vLLM server as the reference:
 - 2p2d: two prefills and two decodes behind the proxy; a burst spreads over both decodes;
 - decode-dp2: decode runs two data-parallel engines (their own control ports and engine
   ids); requests reach both;
-- prefill-dp2 (pull only: push refuses a data-parallel prefill at start, since decode
-  registers before vLLM's front end picks the engine): each prefill engine answers with
-  its own control port, and a burst reaches both engines;
+- prefill-dp2: prefill runs two data-parallel engines. Pull: each engine answers with
+  its own control port. Push: decode registers before prefill has the request, so the
+  proxy picks the engine, names it to decode and pins prefill's leg to it (vLLM's
+  X-data-parallel-rank); an engine that got a request meant for another would free its
+  KV and log so, which no server's log may say. A burst reaches both engines;
 - in-process: both servers run their worker inside the engine core process, on the
   scheduler's thread (vLLM's in-process executor, what it runs at TP 1 on a GPU; its CPU
   backend does so with VLLM_ENABLE_V1_MULTIPROCESSING=0): kvpush's scheduler side hands
@@ -84,6 +86,7 @@ FP32 = ("--dtype", "float32")
 
 MODES = ("kvpush-push", "kvpush-pull")
 GROUPS_SAY = "in 2 KV cache groups"  # every kvpush worker's start line, on every server
+MISROUTED = "was meant for prefill engine"  # a push prefill engine ran another's request
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ CASES = {
     "tp2-to-tp1": Case(("--prefill-tp", "2", "--no-pin"), workers=3),
     "2p2d": Case(("--prefill", "2", "--decode", "2"), prefills=2, decodes=2, workers=4),
     "decode-dp2": Case(("--decode-dp", "2", "--no-pin"), workers=3),
-    "prefill-dp2": Case(("--prefill-dp", "2", "--no-pin"), workers=3, modes=("kvpush-pull",)),
+    "prefill-dp2": Case(("--prefill-dp", "2", "--no-pin"), workers=3),
     "in-process": Case(
         (),
         env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),),
@@ -300,6 +303,9 @@ def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
     for says in filter(None, (GROUPS_SAY, case.logs_say)):
         said = [log.name for log in logs if says in log.read_text(errors="replace")]
         assert len(said) == case.prefills + case.decodes, (says, said)
+    # push: every request ran on the prefill engine decode registered with
+    misrouted = [log.name for log in logs if MISROUTED in log.read_text(errors="replace")]
+    assert not misrouted, misrouted
     print(f"\n{setup} {case.args}: healthy {running.started_s:.0f} s after launch")
 
 

@@ -47,10 +47,12 @@ async def make_rig(mode: str, **config: Any) -> AsyncIterator[Rig]:
     d_runner, d_url = await serve_stub(decode)
     port = free_port()
     decode_url = config.pop("decode_url", d_url)
+    dp = config.pop("prefill_dp", 1)
+    tp = 2 if dp > 1 else 1
     proxy = await start_proxy(
         ProxyConfig(
             mode=mode,
-            prefill=[Backend(p_url, "prefill-0", "127.0.0.1", 5600)],
+            prefill=[Backend(p_url, "prefill-0", "127.0.0.1", 5600, tp, dp)],
             decode=[Backend(decode_url)],
             **config,
         ),
@@ -115,6 +117,32 @@ async def test_push_decode_is_told_where_prefill_lives() -> None:
         assert (
             params["transfer_id"] == rig.prefill.received[0][1]["kv_transfer_params"]["transfer_id"]
         )
+
+
+async def test_push_pins_each_request_to_a_data_parallel_engine_and_tells_decode_which() -> None:
+    """A prefill of 2 DP engines (tp 2): the proxy spreads requests over both, pins prefill's
+    leg to its engine (vLLM's X-data-parallel-rank) and names that engine to decode, with
+    its own first control port; prefill's leg names it too, for the engine to check."""
+    async for rig in make_rig("push", prefill_dp=2):
+        for _ in range(4):
+            assert (await rig.post(BODY)).status == 200
+        seen = []
+        for (p_headers, p_body), (_, d_body) in zip(
+            rig.prefill.received, rig.decode.received, strict=True
+        ):
+            rank = int(p_headers["x-data-parallel-rank"])
+            params = d_body["kv_transfer_params"]
+            assert (params["remote_engine_id"], params["remote_port"]) == (
+                f"prefill-0_dp{rank}", 5600 + 2 * rank
+            )  # fmt: skip
+            assert p_body["kv_transfer_params"]["kvpush_engine_id"] == f"prefill-0_dp{rank}"
+            seen.append(rank)
+        assert sorted(seen) == [0, 0, 1, 1], seen
+    async for rig in make_rig("push"):  # one engine: no header, its own id
+        await rig.post(BODY)
+        ((p_headers, p_body),) = rig.prefill.received
+        assert "x-data-parallel-rank" not in p_headers
+        assert p_body["kv_transfer_params"]["kvpush_engine_id"] == "prefill-0"
 
 
 async def test_prefill_error_names_the_backend(rig: Rig) -> None:

@@ -18,6 +18,24 @@ def test_parse_backend_plain_and_with_coordinates() -> None:
     assert rewrite.parse_backend(rewrite.format_backend(PREFILL)) == PREFILL
 
 
+def test_a_data_parallel_prefill_names_each_engine_as_vllm_and_kvpush_do() -> None:
+    """dp=N: engine r is vLLM's "<engine>_dp<r>", its TP ranks' control ports follow the
+    previous engine's; dp=1 is written as before."""
+    spec = "http://127.0.0.1:8100,engine=prefill-0,kv=127.0.0.1:5600,tp=2,dp=3"
+    backend = rewrite.parse_backend(spec)
+    assert backend.dp_size == 3 and rewrite.format_backend(backend) == spec
+    assert [backend.engine(r) for r in range(3)] == [
+        ("prefill-0_dp0", 5600), ("prefill-0_dp1", 5602), ("prefill-0_dp2", 5604)
+    ]  # fmt: skip
+    assert PREFILL.engine(0) == ("prefill-0", 5600)
+    params = rewrite.push_decode_params(backend, "t1", dp_rank=2)
+    assert (params["remote_engine_id"], params["remote_port"], params["tp_size"]) == (
+        "prefill-0_dp2", 5604, 2
+    )  # fmt: skip
+    prefill = rewrite.push_prefill_params("t1", "prefill-0_dp2")
+    assert prefill["kvpush_engine_id"] == "prefill-0_dp2" and prefill["transfer_id"] == "t1"
+
+
 @pytest.mark.parametrize(
     ("spec", "complaint"),
     [
@@ -25,6 +43,8 @@ def test_parse_backend_plain_and_with_coordinates() -> None:
         ("http://h:1,engine", "not KEY=VALUE"),
         ("http://h:1,kv=nohostport", "HOST:PORT"),
         ("http://h:1,tp=0", "positive integer"),
+        ("http://h:1,engine=p,kv=h:2,dp=0", "positive integer"),
+        ("http://h:1,dp=2", "leave dp= out"),
         ("http://h:1,color=red", "unknown option"),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -293,6 +294,28 @@ def test_aborted_prefill_frees_at_once_and_tells_the_worker() -> None:
     )
     assert side.request_finished(req, [9]) == (False, None)  # type: ignore[arg-type]
     assert side.build_connector_meta(SimpleNamespace()).aborted == [AbortSpec("t1", "p")]
+
+
+@pytest.mark.parametrize(("meant", "held"), [("prefill-0_dp1", True), ("prefill-0_dp0", False)])
+def test_a_push_prefill_meant_for_another_engine_frees_its_kv_at_once(
+    meant: str, held: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A data-parallel prefill's request that ran on another engine than the one decode
+    registered with (the proxy's X-data-parallel-rank not honoured) would hold its KV for
+    a WRITE that never pairs: it is freed at once, and the log says why."""
+    from vllm.v1.request import RequestStatus
+
+    side = SchedulerSide(KvpushConfig(), "prefill-0_dp1", is_producer=True, dp_index=1)
+    params = {"do_remote_decode": True, "transfer_id": "t1", "kvpush_engine_id": meant}
+    req = FakeRequest("p", [1, 2], params, RequestStatus.FINISHED_LENGTH_CAPPED, 2)
+    with caplog.at_level(logging.ERROR, logger="kvpush.scheduler"):
+        assert side.request_finished(req, [9]) == (held, None)  # type: ignore[arg-type]
+    meta = side.build_connector_meta(SimpleNamespace())
+    if held:
+        assert [s.transfer_id for s in meta.send] == ["t1"] and not caplog.records
+    else:
+        assert meta.send == [] and meta.aborted == [AbortSpec("t1", "p")]
+        assert "meant for prefill engine prefill-0_dp0, but ran on prefill-0_dp1" in caplog.text
 
 
 def test_config_rejects_unknown_keys_and_reads_the_side_channel_env() -> None:
