@@ -31,7 +31,8 @@ keeps two KV cache groups, every server's log says so, and kvpush moves both. vL
 backend takes block sizes in multiples of 32 (its kernels' `MultipleOf(32)`); the model is
 float32 so that TP's split sums round as one server's do.
 
-The default run takes 2p2d, tp2-to-tp1 and in-process in push mode (about 5 minutes);
+The default run takes 2p2d, tp2-to-tp1, prefill-dp2 and in-process in push mode (about 5
+minutes);
 KVPUSH_TOPOLOGIES=all runs every case in both modes (about 10 minutes),
 KVPUSH_TOPOLOGIES=2p2d,tp2-to-tp1:kvpush-pull the ones named (a bare case name: both
 modes). The servers start in the test's session, as `kvpush up` starts them: a TP rank
@@ -120,7 +121,12 @@ CASES = {
         logs_say="the engine's worker runs in this process",
     ),
 }
-DEFAULT = ("2p2d:kvpush-push", "tp2-to-tp1:kvpush-push", "in-process:kvpush-push")
+DEFAULT = (
+    "2p2d:kvpush-push",
+    "tp2-to-tp1:kvpush-push",
+    "prefill-dp2:kvpush-push",
+    "in-process:kvpush-push",
+)
 REFERENCE_PORT = BASE_PORT + 400
 HANDOFFS = "kvpush:handoffs_total"
 HANDOFF_PATHS = ("direct", "next_step")
