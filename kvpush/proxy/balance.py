@@ -8,10 +8,11 @@ handoff, not for the prompt's length).
 
 `least_loaded` picks the backend where the new leg should finish first:
 
-    cost = (units queued there + units of this leg) x seconds per unit
+    cost = (units queued there / its engines + units of this leg) x seconds per unit
 
 - units queued: the proxy's own legs in flight, plus requests the backend reports running
   or waiting beyond those (other clients' load, from `vllm:num_requests_running/_waiting`);
+  a server of N data-parallel engines (`dp=N`) works through them N at a time;
 - seconds per unit: an exponentially weighted mean over the legs it finished (prefill: the
   leg's duration per prompt token; decode: time to its first byte). Two corrections keep it
   honest: a leg still waiting longer than the estimate raises it at once (a backend that
@@ -241,7 +242,7 @@ class Pool:
             if unseen > 0:
                 queued += unseen * self._units_per_leg
             kv_full = reported.kv_usage is not None and reported.kv_usage >= KV_FULL
-        return kv_full, (queued + units) * per_unit
+        return kv_full, (queued / state.backend.dp_size + units) * per_unit
 
     # -- accounting ---------------------------------------------------------------------
 

@@ -36,7 +36,9 @@ class Backend:
     kv_host: str = ""
     kv_port: int = 0
     tp_size: int = 1
-    dp_size: int = 1  # data-parallel engines behind its one API server (push prefill)
+    # data-parallel engines behind its one API server: they share its load, and a push
+    # prefill's legs are pinned to one of them
+    dp_size: int = 1
 
     @property
     def has_kv_coordinates(self) -> bool:
@@ -80,21 +82,14 @@ def parse_backend(spec: str) -> Backend:
             raise ValueError(
                 f"backend {spec!r}: unknown option {key!r} (use engine, kv, tp, dp)"
             )
-    backend = Backend(**fields)
-    if backend.dp_size > 1 and not backend.has_kv_coordinates:
-        raise ValueError(
-            f"backend {spec!r}: dp= names the data-parallel engines of a push prefill, "
-            "which also needs engine=ID,kv=HOST:PORT (a pull prefill answers with its "
-            "engine's own coordinates: leave dp= out)"
-        )
-    return backend
+    return Backend(**fields)
 
 
 def format_backend(backend: Backend) -> str:
     """Inverse of `parse_backend`."""
-    if not backend.has_kv_coordinates:
-        return backend.url
     dp = f",dp={backend.dp_size}" if backend.dp_size > 1 else ""
+    if not backend.has_kv_coordinates:
+        return backend.url + dp
     return (
         f"{backend.url},engine={backend.engine_id},"
         f"kv={backend.kv_host}:{backend.kv_port},tp={backend.tp_size}{dp}"

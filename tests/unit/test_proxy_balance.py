@@ -48,6 +48,21 @@ def test_least_loaded_goes_where_fewer_units_are_queued() -> None:
     assert p.pick(100, 0.0) is b
 
 
+def test_a_data_parallel_server_works_through_its_queue_an_engine_each() -> None:
+    """dp=2: two legs queued there wait as long as one on a one-engine server, so with
+    equal speeds a leg goes to the DP server until it holds twice the other's queue."""
+    wide = Backend("http://10.0.0.9:8000", dp_size=2)
+    p = pool(A, wide)
+    a, w = p.states
+    p.begin(a, 100, 100, 0.0)
+    p.begin(w, 100, 100, 0.0)
+    assert p.pick(100, 0.0) is w
+    p.begin(w, 100, 100, 0.0)
+    assert p.cost(w, 100, 0.0) == p.cost(a, 100, 0.0)
+    p.begin(w, 100, 100, 0.0)
+    assert p.pick(100, 0.0) is a
+
+
 def test_a_backend_known_to_be_slow_is_avoided_until_the_fast_one_is_far_busier() -> None:
     p = pool(A, B)
     learn(p, A, 0.200)

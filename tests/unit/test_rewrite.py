@@ -34,6 +34,8 @@ def test_a_data_parallel_prefill_names_each_engine_as_vllm_and_kvpush_do() -> No
     )  # fmt: skip
     prefill = rewrite.push_prefill_params("t1", "prefill-0_dp2")
     assert prefill["kvpush_engine_id"] == "prefill-0_dp2" and prefill["transfer_id"] == "t1"
+    plain = rewrite.parse_backend("http://h:1,dp=2")  # a decode's or pull prefill's engines
+    assert plain.dp_size == 2 and rewrite.format_backend(plain) == "http://h:1,dp=2"
 
 
 @pytest.mark.parametrize(
@@ -44,7 +46,6 @@ def test_a_data_parallel_prefill_names_each_engine_as_vllm_and_kvpush_do() -> No
         ("http://h:1,kv=nohostport", "HOST:PORT"),
         ("http://h:1,tp=0", "positive integer"),
         ("http://h:1,engine=p,kv=h:2,dp=0", "positive integer"),
-        ("http://h:1,dp=2", "leave dp= out"),
         ("http://h:1,color=red", "unknown option"),
     ],
 )
