@@ -334,7 +334,7 @@ class ServerSpec:
                 self.parallel.tp,
                 self.parallel.dp,
             )
-        return Backend(self.url)
+        return Backend(self.url, dp_size=self.parallel.dp)
 
 
 def deployment_secret() -> str:
