@@ -78,6 +78,9 @@ NO_TOKEN = -1
 # that gets a request meant for another (a data-parallel front end that did not honour
 # the proxy's X-data-parallel-rank) frees its KV at once instead of holding it for nobody.
 ENGINE_PARAM = "kvpush_engine_id"
+# ... and in its answer's kv_transfer_params, the engine that ran it instead: the proxy
+# then fails the request at once, which ends decode's wait for a WRITE that cannot come
+MISROUTED_PARAM = "kvpush_ran_on_engine"
 
 
 def is_token_id(value: object) -> TypeGuard[int]:

@@ -225,6 +225,9 @@ class Legs:
             relay.prefill_seconds = seconds
             self.metrics.prefill.labels(backend.url).observe(seconds)
             coordinates = None
+            ran_on = rewrite.misrouted(answer, params)
+            if ran_on:
+                raise BackendFailure("prefill", backend, 502, ran_on)
             if self.config.mode == "pull":
                 try:
                     coordinates = rewrite.pull_decode_params(answer, backend)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvpush.core.protocol import ENGINE_PARAM, MODES
+from kvpush.core.protocol import ENGINE_PARAM, MISROUTED_PARAM, MODES
 
 # Fields that only make sense for the client-facing leg and must not reach prefill.
 _PREFILL_DROPPED = ("stream_options", "logprobs", "top_logprobs", "n", "best_of", "min_tokens")
@@ -236,6 +236,22 @@ def push_decode_params(prefill: Backend, transfer_id: str, dp_rank: int = 0) -> 
         "pp_size": 1,
         "transfer_id": transfer_id,
     }
+
+
+def misrouted(prefill_response: Any, sent: dict[str, Any]) -> str:
+    """Why a push prefill's answer cannot pair with decode's registration: it ran on another
+    engine than the one decode registered with (which freed its KV); "" when it did not."""
+    params = None
+    if isinstance(prefill_response, dict):
+        params = prefill_response.get("kv_transfer_params")
+    ran_on = params.get(MISROUTED_PARAM) if isinstance(params, dict) else None
+    if not ran_on:
+        return ""
+    return (
+        f"prefill engine {ran_on} ran the request meant for {sent.get(ENGINE_PARAM)}, whose "
+        "KV decode was waiting for: the server's front end did not honour the proxy's "
+        f"{DP_RANK_HEADER} header, or the backend's engine= or dp= do not match the server"
+    )
 
 
 def pull_decode_params(prefill_response: Any, prefill: Backend) -> dict[str, Any]:

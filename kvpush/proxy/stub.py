@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpush.core.protocol import FIRST_TOKEN_PARAM
+from kvpush.core.protocol import FIRST_TOKEN_PARAM, MISROUTED_PARAM
 
 
 @dataclass(slots=True)
@@ -33,6 +33,8 @@ class StubBehaviour:
     stream_error_after: int | None = None
     # ... written in two pieces, a moment apart (the proxy must see it whole)
     split_error_event: bool = False
+    # a push prefill: answer as a kvpush engine that ran another engine's request does
+    misrouted: bool = False
 
 
 @dataclass(slots=True)
@@ -112,6 +114,8 @@ class StubBackend:
                     FIRST_TOKEN_PARAM: 1,  # the id of its first token, as kvpush returns it
                 },
             }
+            if b.misrouted:
+                answer["kv_transfer_params"] = {MISROUTED_PARAM: f"{self.name}_elsewhere"}
             if "messages" in body:
                 answer["object"] = "chat.completion"
                 answer["choices"] = [

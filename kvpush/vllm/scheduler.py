@@ -25,6 +25,7 @@ from kvpush.core.protocol import (
     ENGINE_PARAM,
     FIRST_TOKEN_OF_ARG,
     FIRST_TOKEN_PARAM,
+    MISROUTED_PARAM,
     NO_TOKEN,
     grant,
 )
@@ -293,7 +294,10 @@ class SchedulerSide:
             return False, None
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
-        if not _finished_normally(request) or not block_ids or self._not_ours(params, request):
+        if self._not_ours(params, request):
+            self._aborted.append(AbortSpec(transfer_id, request.request_id))
+            return False, {MISROUTED_PARAM: self.engine_id}  # the proxy fails it at once
+        if not _finished_normally(request) or not block_ids:
             self._aborted.append(AbortSpec(transfer_id, request.request_id))
             return False, None
         outputs = request.output_token_ids
@@ -345,9 +349,9 @@ class SchedulerSide:
             return False
         log.error(
             "kvpush: request %s was meant for prefill engine %s, but ran on %s; its KV is "
-            "freed and decode fails it at its prefill_timeout_s. A data-parallel prefill "
-            "must run each request on the engine the proxy chose (vLLM's "
-            "X-data-parallel-rank header); check the proxy's engine= for this server",
+            "freed and its answer says so, for the proxy to fail the request. A "
+            "data-parallel prefill must run each request on the engine the proxy chose "
+            "(vLLM's X-data-parallel-rank header); check the proxy's engine= for this server",
             request.request_id,
             meant,
             self.engine_id,

@@ -167,6 +167,26 @@ async def test_push_prefill_failure_cancels_the_waiting_decode_leg() -> None:
         assert rig.decode.cancelled == 1, "decode leg must be closed so vLLM aborts it"
 
 
+async def test_a_push_prefill_engine_that_ran_another_engines_request_fails_it_at_once() -> None:
+    """A data-parallel prefill whose front end ignored X-data-parallel-rank: the engine
+    that ran the request says so (and freed its KV); the proxy answers 502 naming it and
+    closes decode's leg, which would otherwise wait for a WRITE until prefill_timeout_s."""
+    async for rig in make_rig("push", prefill_dp=2):
+        rig.prefill.behaviour = StubBehaviour(misrouted=True)
+        rig.decode.behaviour = StubBehaviour(hang=True)
+        started = time.monotonic()
+        resp = await rig.post(BODY)
+        message = (await resp.json())["error"]["message"]
+        assert resp.status == 502 and time.monotonic() - started < 5
+        assert "prefill-0_elsewhere ran the request meant for prefill-0_dp0" in message
+        assert "X-data-parallel-rank" in message
+        for _ in range(50):
+            if rig.decode.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert rig.decode.cancelled == 1
+
+
 async def test_unreachable_decode_is_a_fast_502() -> None:
     async for rig in make_rig("pull", decode_url=f"http://127.0.0.1:{free_port()}"):
         resp = await rig.post(BODY)

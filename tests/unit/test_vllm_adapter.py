@@ -11,6 +11,7 @@ import pytest
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from kvpush.core.protocol import MISROUTED_PARAM as MISROUTED
 from kvpush.node.config import KvpushConfig
 from kvpush.node.specs import AbortSpec, HoldSpec, RecvSpec
 from kvpush.vllm.scheduler import SchedulerSide
@@ -296,22 +297,26 @@ def test_aborted_prefill_frees_at_once_and_tells_the_worker() -> None:
     assert side.build_connector_meta(SimpleNamespace()).aborted == [AbortSpec("t1", "p")]
 
 
-@pytest.mark.parametrize(("meant", "held"), [("prefill-0_dp1", True), ("prefill-0_dp0", False)])
+@pytest.mark.parametrize(
+    ("meant", "answer"),
+    [("prefill-0_dp1", (True, None)), ("prefill-0_dp0", (False, {MISROUTED: "prefill-0_dp1"}))],
+)
 def test_a_push_prefill_meant_for_another_engine_frees_its_kv_at_once(
-    meant: str, held: bool, caplog: pytest.LogCaptureFixture
+    meant: str, answer: tuple[bool, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A data-parallel prefill's request that ran on another engine than the one decode
     registered with (the proxy's X-data-parallel-rank not honoured) would hold its KV for
-    a WRITE that never pairs: it is freed at once, and the log says why."""
+    a WRITE that never pairs: it is freed at once, its answer names the engine that ran it
+    (for the proxy to fail the request, which ends decode's wait), and the log says why."""
     from vllm.v1.request import RequestStatus
 
     side = SchedulerSide(KvpushConfig(), "prefill-0_dp1", is_producer=True, dp_index=1)
     params = {"do_remote_decode": True, "transfer_id": "t1", "kvpush_engine_id": meant}
     req = FakeRequest("p", [1, 2], params, RequestStatus.FINISHED_LENGTH_CAPPED, 2)
     with caplog.at_level(logging.ERROR, logger="kvpush.scheduler"):
-        assert side.request_finished(req, [9]) == (held, None)  # type: ignore[arg-type]
+        assert side.request_finished(req, [9]) == answer  # type: ignore[arg-type]
     meta = side.build_connector_meta(SimpleNamespace())
-    if held:
+    if answer[0]:
         assert [s.transfer_id for s in meta.send] == ["t1"] and not caplog.records
     else:
         assert meta.send == [] and meta.aborted == [AbortSpec("t1", "p")]
