@@ -550,6 +550,18 @@ class Receiver(PeerLoop[_ForRank]):
         expecting = self.expecting.get(spec.transfer_id)
         if expecting is None or not self._current(spec):
             return  # ended (aborted, failed, timed out) while the handshake ran
+        hello = peer.hello
+        if spec.remote_engine_id and hello and hello.engine_id != spec.remote_engine_id:
+            # prefill's leg names the engine it was sent to, which frees its KV when it is
+            # not the one that ran it; registering with another would pair with nothing
+            why = (
+                f"kv_transfer_params name prefill engine {spec.remote_engine_id}, but {peer} "
+                f"is {hello.engine_id}: the proxy's engine=, kv= or dp= for this prefill "
+                "do not match the server; nothing was registered"
+            )
+            if not peer.error:  # else the handshake's failure is the request's
+                self._read_failed(job, why, "wrong_engine")
+            return
         ctx = self.ctx
         ident = ctx.identity
         reg = Registration(

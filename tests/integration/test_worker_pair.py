@@ -375,6 +375,30 @@ def test_push_decode_abort_frees_its_blocks_once_prefill_confirms(pair_factory: 
     assert np.count_nonzero(tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)) == 0
 
 
+def test_push_decode_registers_only_with_the_engine_its_params_name(pair_factory: object) -> None:
+    """The control port decode was sent to belongs to prefill-0, but the request names a
+    data-parallel engine of it (the proxy's dp= or engine= wrong for that server): decode
+    fails the request at once, registering nothing that would pair with the wrong prefill;
+    with the engine named right the KV arrives."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory("push", "push", prefill_timeout_s=5.0)
+    pair.decode.step(Step(recv=[pair.recv_spec(remote_engine_id="prefill-0_dp1")]))
+    took = pair.run_until(lambda: pair.decode.recving)
+    assert took < 2.0 and pair.decode.load_errors == {1, 9, 3}
+    assert pair.decode.worker.stats_data()["failures"] == {"wrong_engine": 1, "receive_failed": 1}
+    gauges = pair.prefill.worker.stats_data()["gauges"]
+    assert gauges["prefill_waiting_registrations"] == 0, "nothing was registered"
+    pair.decode.recving.clear()
+    pair.decode.load_errors.clear()
+    right = pair.recv_spec(transfer_id="t2", generation=1, remote_engine_id="prefill-0")
+    pair.decode.step(Step(recv=[right]))
+    pair.prefill.step(Step(send=[send_spec("t2")]))
+    pair.run_until(lambda: pair.decode.recving and pair.prefill.sending)
+    assert pair.decode.load_errors == set()
+    moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
+    assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+
+
 def test_push_abort_during_a_write_waits_for_the_write_to_end(pair_factory: object) -> None:
     """The blocks of an aborted request are reported (so vLLM reuses them) only after the
     WRITE in flight into them ended: nothing lands in reassigned blocks."""
