@@ -18,7 +18,8 @@ at a time, next to a plain vLLM server as the reference:
   its own control port. Push: decode registers before prefill has the request, so the
   proxy picks the engine, names it to decode and pins prefill's leg to it (vLLM's
   X-data-parallel-rank); an engine that got a request meant for another would free its
-  KV and log so, which no server's log may say. A burst reaches both engines;
+  KV and log so, which no server's log may say. A burst reaches both engines. A proxy
+  line that leaves out dp= fails every request at once, holding no KV;
 - in-process: both servers run their worker inside the engine core process, on the
   scheduler's thread (vLLM's in-process executor, what it runs at TP 1 on a GPU; its CPU
   backend does so with VLLM_ENABLE_V1_MULTIPROCESSING=0): kvpush's scheduler side hands
@@ -62,6 +63,8 @@ from tests.e2e.conftest import (
     KV_PORT,
     PROMPTS,
     Deployment,
+    kv_idle_after,
+    kvpush_proxy,
     launch,
     ports_free,
     post,
@@ -188,6 +191,7 @@ class Running:
     deployment: Deployment
     started_s: float
     work: Path
+    kv_port: int  # the first control port: prefill-0's first worker's
 
     def ask(self, body: dict[str, Any]) -> Any:
         """A completion through the proxy; a refusal fails naming the proxy's answer and
@@ -229,14 +233,15 @@ def running(
     case = CASES[name]
     work = tmp_path_factory.mktemp(f"{name}-{setup}")
     slot = 4 * list(CASES).index(name) + 2 * MODES.index(setup)
+    kv_port = KV_PORT + 400 + 8 * slot
     deployment = launch(
         setup, model, work, *case.args, f"--vllm-args={' '.join(FP32)}",
         port=REFERENCE_PORT + 1 + slot,
-        kv_port=KV_PORT + 400 + 8 * slot, kv_ports=case.workers, env=dict(case.env),
+        kv_port=kv_port, kv_ports=case.workers, env=dict(case.env),
     )  # fmt: skip
     try:
         wait_ready(deployment, timeout=600)
-        yield Running(case, setup, deployment, healthy_after(deployment), work)
+        yield Running(case, setup, deployment, healthy_after(deployment), work, kv_port)
     finally:
         deployment.stop()
     assert ports_free(deployment.ports), f"{name}: ports still bound {deployment.ports}"
@@ -350,3 +355,35 @@ def _per_engine(urls: list[str], engines: int) -> list[float]:
     if engines == 1:
         return totals(urls, SUCCESS)
     return [sum(totals(urls, SUCCESS, engine=str(engine))) for engine in range(engines)]
+
+
+def test_a_proxy_line_without_a_push_prefills_dp_fails_fast_and_leaks_nothing(
+    running: Running, model: Path, reference: dict[str, str], tmp_path: Path
+) -> None:
+    """An operator's likely slip: a push prefill of 2 data-parallel engines written without
+    dp=. Decode is sent to engine 0's control port, told the engine is "prefill-0" (vLLM
+    names it prefill-0_dp0), and prefill's leg runs wherever vLLM's front end puts it,
+    meant for "prefill-0". Decode registers with no engine of another name and the engine
+    that runs the request frees its KV, so every request fails at once (nothing waits for
+    prefill_timeout_s) with a 502 naming the proxy's line; no KV stays held, and the
+    deployment's own proxy (dp=2) answers right after."""
+    deployment, case = running.deployment, running.case
+    if running.setup != "kvpush-push" or "--prefill-dp" not in case.args:
+        pytest.skip("a data-parallel push prefill only")
+    (prefill,), (decode,) = prefill_urls(deployment, case), decode_urls(deployment, case)
+    line = f"{prefill},engine=prefill-0,kv=127.0.0.1:{running.kv_port}"  # no dp=2
+    port = REFERENCE_PORT + 399
+    with kvpush_proxy("push", line, decode, port, tmp_path / "proxy.log", 60) as url:
+        for prompt in PROMPTS[:4]:
+            started = time.monotonic()
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                post(url + "/v1/completions", completion(model, prompt))
+            took = time.monotonic() - started
+            message = refused.value.read().decode(errors="replace")
+            assert refused.value.code == 502 and took < 10, (took, message)
+            assert "wrong_engine" in message or "dp= do not match" in message, message
+    kv_idle_after({"prefill": prefill, "decode": decode}, timeout=10)
+    for prompt in PROMPTS[:2]:
+        answer = running.ask(completion(model, prompt))
+        assert answer["choices"][0]["text"] == reference[prompt]
+    print(f"\nwithout dp=: 4 of 4 answered 502 at once ({took:.2f} s the last); KV freed")
