@@ -41,8 +41,9 @@ class Backends:
         self.pools = pools
         self.metrics = metrics
         self._flights: dict[BackendState, set[Flight]] = {}
-        # push: legs in flight per data-parallel engine of each prefill (by URL), and where
-        # the next tie goes, so that engines share a burst as vLLM's own balancing would
+        # push: prefill legs in flight per data-parallel engine of each prefill (by URL),
+        # and where the next tie goes, so that engines share a burst as vLLM's own
+        # balancing would
         self._dp_legs: dict[str, list[int]] = {}
         self._dp_next: dict[str, int] = {}
 
@@ -51,8 +52,9 @@ class Backends:
         return self.pools[role].pick(units, time.monotonic(), tried)
 
     def take_dp_rank(self, backend: rewrite.Backend) -> int:
-        """The data-parallel engine of push prefill `backend` for a new leg: the one with
-        the fewest legs in flight, ties taking turns. Give it back with `give_dp_rank`."""
+        """The data-parallel engine of push prefill `backend` for a new prefill leg: the one
+        with the fewest prefill legs in flight, ties taking turns. Give it back with
+        `give_dp_rank` once the leg ended."""
         if backend.dp_size == 1:
             return 0
         legs = self._dp_legs.get(backend.url)

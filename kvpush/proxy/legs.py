@@ -28,6 +28,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,12 +153,20 @@ class Legs:
         self, job: Job, prefill: BackendState, decode: BackendState, rid: str, relay: Relay
     ) -> None:
         # A data-parallel prefill: decode registers with the engine chosen here, and
-        # prefill's leg is pinned to it
+        # prefill's leg is pinned to it; the engine counts the leg until prefill answered
         dp_rank = self.backends.take_dp_rank(prefill.backend)
+        taken = True
+
+        def give_back(_: object = None) -> None:
+            nonlocal taken
+            if taken:
+                taken = False
+                self.backends.give_dp_rank(prefill.backend, dp_rank)
+
         try:
-            await self._push_legs(job, prefill, decode, rid, relay, dp_rank)
+            await self._push_legs(job, prefill, decode, rid, relay, dp_rank, give_back)
         finally:
-            self.backends.give_dp_rank(prefill.backend, dp_rank)
+            give_back()
 
     async def _push_legs(
         self,
@@ -167,6 +176,7 @@ class Legs:
         rid: str,
         relay: Relay,
         dp_rank: int,
+        prefill_done: Callable[[object], None],
     ) -> None:
         engine_id, _ = prefill.backend.engine(dp_rank)
         decode_body = rewrite.decode_body(
@@ -183,6 +193,7 @@ class Legs:
         prefill_task = asyncio.ensure_future(
             self._prefill(prefill, job, prefill_params, relay, rid, pinned)
         )
+        prefill_task.add_done_callback(prefill_done)
         decode_task = asyncio.ensure_future(self._decode(decode, job, decode_body, rid, relay))
         try:
             done, _ = await asyncio.wait(

@@ -145,6 +145,24 @@ async def test_push_pins_each_request_to_a_data_parallel_engine_and_tells_decode
         assert p_body["kv_transfer_params"]["kvpush_engine_id"] == "prefill-0"
 
 
+async def test_a_data_parallel_engine_is_free_again_once_its_prefill_leg_answered() -> None:
+    """The engine choice counts prefill legs, not whole requests: a request whose decode
+    still streams no longer weighs on the engine that prefilled it."""
+    async for rig in make_rig("push", prefill_dp=2):
+        rig.decode.behaviour = StubBehaviour(delay=1.5)
+        slow = asyncio.ensure_future(rig.post(BODY))
+        while not (rig.prefill.received and rig.decode.received):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # prefill's instant answer is in; decode's is not
+        rig.decode.behaviour = StubBehaviour()
+        for _ in range(2):
+            assert (await rig.post(BODY)).status == 200
+        assert not slow.done()
+        ranks = [int(headers["x-data-parallel-rank"]) for headers, _ in rig.prefill.received]
+        assert ranks == [0, 1, 0], "engine 0 took the third: the first's prefill had ended"
+        assert (await slow).status == 200
+
+
 async def test_prefill_error_names_the_backend(rig: Rig) -> None:
     rig.prefill.behaviour = StubBehaviour(status=500)
     resp = await rig.post(BODY)
