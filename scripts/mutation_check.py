@@ -53,6 +53,13 @@ MUTATIONS = (
         (NODE_PARTS,),
     ),
     Mutation(
+        "stage-region-moves-every-group",  # a stage's region of one group's layer: garbage
+        "kvpush/core/planning.py",
+        "if not (partial(src) or partial(dst)):",
+        "if True:",
+        ("tests/unit/test_planning.py",),
+    ),
+    Mutation(
         "window-copied-from-blocks-the-source-freed",  # would copy the null block's bytes
         "kvpush/core/planning.py",
         "if held > start:",

@@ -158,11 +158,12 @@ class Arrivals:
 
     def on_write_done(self, msg: WriteDone, now: float) -> list[Outcome]:
         """Push: a producer rank's WRITE notification (or its answer to a cancel)."""
-        why = f"prefill rank {msg.tp_rank}/{msg.tp_size} failed to write KV: {msg.error}"
+        stage = f" of pipeline stage {msg.pp_rank}" if msg.pp_rank else ""
+        why = f"prefill rank {msg.tp_rank}/{msg.tp_size}{stage} failed to write KV: {msg.error}"
         return self.on_producer_done(
             msg.transfer_id,
             msg.generation,
-            msg.tp_rank,
+            msg.producer_rank,
             msg.ok,
             "" if msg.ok else why,
             now,

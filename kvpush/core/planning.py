@@ -24,6 +24,7 @@ head comes from exactly one producer, replicas taking turns across consumers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,10 +79,13 @@ class KVLayout:
     sub_blocks: int = 1
     whole_blocks: bool = False
     groups: int = 1
+    layers: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.region_bases:
             raise PlanError("KV layout has no regions; register at least one KV cache tensor")
+        if self.layers:
+            self._check_layers()
         for name in (
             "num_blocks",
             "block_size",
@@ -107,6 +111,21 @@ class KVLayout:
         problem = _overlap(self)
         if problem:
             raise PlanError(f"KV layout cells overlap: {problem}")
+
+    def _check_layers(self) -> None:
+        if len(self.layers) != len(self.region_bases):
+            raise PlanError(
+                f"KV layout names the layers of {len(self.layers)} regions, but has "
+                f"{len(self.region_bases)}"
+            )
+        if any(len(names) != self.groups or not any(names) for names in self.layers):
+            raise PlanError(
+                f"KV layout names a region's layers other than one per KV cache group "
+                f"({self.groups}), at least one of them a layer"
+            )
+        named = [name for names in self.layers for name in names if name]
+        if len(set(named)) != len(named):
+            raise PlanError("KV layout names one layer in two regions")
 
     @property
     def num_regions(self) -> int:
@@ -197,6 +216,80 @@ def _overlap(layout: KVLayout) -> str | None:
             return f"{name} stride {stride} is below the {extent} bytes the inner dimensions span"
         extent = stride * count
     return None
+
+
+def align(a: KVLayout, b: KVLayout, a_name: str = "source", b_name: str = "dest") -> tuple[
+    KVLayout, KVLayout
+]:
+    """`a` and `b` cut to the regions of the layers both hold, in the same order, so
+    region i of one pairs with region i of the other.
+
+    A pipeline-parallel side holds some of the model's layers on each stage: the side
+    that holds every layer of the other is cut to the regions that hold them, each named
+    for the layers the other holds there (a region twice where the other side keeps two
+    of its groups' layers apart, once for each). Unnamed regions
+    pair by index. Raises `PlanError` when neither side holds every layer of the other.
+    """
+    if a.layers and a.layers == b.layers:
+        return a, b
+    if not a.layers or not b.layers:
+        if a.num_regions == b.num_regions:
+            return a, b
+        raise PlanError(
+            f"{a_name} has {a.num_regions} KV layers, {b_name} {b.num_regions}: both sides "
+            "must serve the same model"
+        )
+    into_b, missing = _places(a, b)
+    if into_b is not None:
+        return a, _regions(b, tuple(into_b), a.layers)
+    into_a, other = _places(b, a)
+    if into_a is not None:
+        return _regions(a, tuple(into_a), b.layers), b
+    raise PlanError(
+        f"{a_name} holds KV layer {missing} where {b_name} does not, and {b_name} layer "
+        f"{other} where {a_name} does not: both sides must serve the same model, and at "
+        "most one of them split over pipeline stages"
+    )
+
+
+def _places(part: KVLayout, whole: KVLayout) -> tuple[list[int] | None, str]:
+    """For each region of `part`, the region of `whole` that holds the same layers for
+    every group `part` names there; None (and the first layer without one) if any lacks."""
+    at = {name: i for i, names in enumerate(whole.layers) for name in names if name}
+    places = []
+    for names in part.layers:
+        first = next(name for name in names if name)
+        i = at.get(first)
+        if i is None or any(n and n != w for n, w in zip(names, whole.layers[i], strict=True)):
+            return None, first
+        places.append(i)
+    return places, ""
+
+
+def partial(layout: KVLayout) -> bool:
+    """Some region holds fewer layers than the model's KV cache groups (a pipeline stage
+    of a model with several groups)."""
+    return any(not all(names) for names in layout.layers)
+
+
+def group_regions(src: KVLayout, dst: KVLayout, group: int) -> list[int] | None:
+    """The regions (of aligned `src` and `dst`) through which KV cache group `group`'s
+    blocks move: where both hold that group's layer. None: every region (neither side
+    names a region with fewer layers than the model's groups)."""
+    if not (partial(src) or partial(dst)):
+        return None
+    pairs = zip(src.layers, dst.layers, strict=True)
+    return [i for i, (s, d) in enumerate(pairs) if s[group] and d[group]]
+
+
+@functools.lru_cache(maxsize=256)
+def _regions(
+    layout: KVLayout, keep: tuple[int, ...], layers: tuple[tuple[str, ...], ...]
+) -> KVLayout:
+    """`layout` with regions `keep` alone, in that order, holding `layers`."""
+    return dataclasses.replace(
+        layout, region_bases=tuple(layout.region_bases[i] for i in keep), layers=layers
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,11 +453,10 @@ def check_mappable(
             "hybrid KV cache manager on both sides or on neither (the same "
             "--disable-hybrid-kv-cache-manager setting)"
         )
-    if a.num_regions != b.num_regions:
-        return (
-            f"{a_name} has {a.num_regions} KV layers, {b_name} {b.num_regions}: both sides "
-            "must serve the same model"
-        )
+    try:
+        a, b = align(a, b, a_name, b_name)
+    except PlanError as exc:
+        return str(exc)
     if a.unit_bytes != b.unit_bytes:
         return (
             f"{a_name} stores {a.unit_bytes} bytes per head and token, {b_name} "
@@ -425,6 +517,7 @@ def plan_transfer(
     src_tp: int = 1,
     dst_rank: int = 0,
     dst_tp: int = 1,
+    group: int | None = None,
 ) -> WritePlan:
     """Descriptors copying tokens [first_token, num_tokens) from `src_blocks` to
     `dst_blocks`.
@@ -434,10 +527,18 @@ def plan_transfer(
     heads `sources` assigns to this rank pair move. Block ids beyond what the tokens need
     are ignored, and nothing outside the needed destination cells is written (with
     `whole_blocks` layouts: outside the blocks that hold the tokens, each moved whole).
+    The blocks are KV cache group `group`'s (needed where a pipeline stage holds some of
+    its regions for fewer groups: only the regions where both sides hold the group's
+    layer move).
     """
     problem = check_mappable(src, dst, src_tp, dst_tp)
     if problem:
         raise PlanError(problem)
+    src, dst = align(src, dst)
+    if group is None and src.groups > 1 and (partial(src) or partial(dst)):
+        raise PlanError("a pipeline stage keeps some regions for fewer KV cache groups: "
+                        "plan each group's blocks apart")  # fmt: skip
+    keep = group_regions(src, dst, group or 0)
     _check_rank("source", src_rank, src_tp)
     _check_rank("destination", dst_rank, dst_tp)
     if not 0 <= first_token <= num_tokens:
@@ -462,7 +563,13 @@ def plan_transfer(
         first_token,
         num_tokens,
     )
-    return WritePlan(pattern, src.region_bases, dst.region_bases)
+    if keep is None:
+        return WritePlan(pattern, src.region_bases, dst.region_bases)
+    return WritePlan(
+        pattern,
+        tuple(src.region_bases[i] for i in keep),
+        tuple(dst.region_bases[i] for i in keep),
+    )
 
 
 def _check_rank(side: str, rank: int, tp_size: int) -> None:

@@ -37,7 +37,7 @@ import msgpack
 
 from kvpush.core.planning import KVLayout, PlanError, check_mappable
 
-PROTOCOL_VERSION = 8  # 8: KV layouts name their KV cache groups
+PROTOCOL_VERSION = 9  # 9: KV layouts name their layers; pipeline stages
 MAGIC = b"KP"
 GREETING_MAGIC = b"KPHI"
 MAC_SIZE = 32
@@ -187,6 +187,18 @@ def _ranges(value: object) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _names_per_region(value: object) -> tuple[tuple[str, ...], ...]:
+    if not isinstance(value, list) or len(value) > MAX_REGIONS:
+        raise _Invalid(f"expected a list of at most {MAX_REGIONS} lists of layer names")
+    name = _str(MAX_ID_LEN, empty=True, ids=True)  # "": that group has no layer there
+    out: list[tuple[str, ...]] = []
+    for names in value:
+        if not isinstance(names, list) or not 0 < len(names) <= MAX_KV_GROUPS:
+            raise _Invalid(f"expected lists of 1 to {MAX_KV_GROUPS} layer names")
+        out.append(tuple(name(n) for n in names))
+    return tuple(out)
+
+
 _LAYOUT_FIELDS: tuple[Check, ...] = (
     _ints(MAX_REGIONS),  # region_bases
     _int(1, I63_MAX),  # num_blocks
@@ -200,6 +212,7 @@ _LAYOUT_FIELDS: tuple[Check, ...] = (
     _int(1, 1 << 20),  # sub_blocks
     _bool,  # whole_blocks
     _int(1, MAX_KV_GROUPS),  # groups
+    _names_per_region,  # layers
 )
 
 
@@ -248,6 +261,9 @@ class Hello:
     # where this rank takes control messages (what the peer may send notices to)
     host: str = field(default="", metadata=_wire(_str(255, empty=True)))
     port: int = field(default=0, metadata=_wire(_int(0, 65535)))
+    # the rank's pipeline stage: it holds those layers' KV alone (`layout.layers`)
+    pp_rank: int = field(default=0, metadata=_TP_RANK)
+    pp_size: int = field(default=1, metadata=_TP_SIZE)
 
     @property
     def block_size(self) -> int:
@@ -289,10 +305,11 @@ class Registration:
 class WriteDone:
     """Prefill -> decode: the NIXL notification of one producer rank's WRITE.
 
-    `tp_rank`/`tp_size` are the producer's. Decode counts one ok completion per producer
-    rank writing into it; ok=False (with `error`) fails the transfer at once. `sampled`:
-    the first output token prefill sampled for the request (`NO_TOKEN` if none), which
-    decode's first step then reproduces (`kvpush.vllm.first_token`).
+    `tp_rank`/`tp_size`/`pp_rank` are the producer's. Decode counts one ok completion per
+    producer rank writing into it (`producer_rank`); ok=False (with `error`) fails the
+    transfer at once. `sampled`: the first output token prefill sampled for the request
+    (`NO_TOKEN` if none), which decode's first step then reproduces
+    (`kvpush.vllm.first_token`).
     """
 
     transfer_id: str = field(metadata=_ID)
@@ -302,6 +319,18 @@ class WriteDone:
     ok: bool = field(metadata=_wire(_bool))
     error: str = field(metadata=_TEXT)
     sampled: int = field(default=NO_TOKEN, metadata=_wire(_int(NO_TOKEN, I63_MAX)))
+    pp_rank: int = field(default=0, metadata=_TP_RANK)
+
+    @property
+    def producer_rank(self) -> int:
+        """The producer among all of its engine's ranks, stage after stage."""
+        return producer_rank(self.pp_rank, self.tp_rank, self.tp_size)
+
+
+def producer_rank(pp_rank: int, tp_rank: int, tp_size: int) -> int:
+    """A rank's place among its engine's ranks, pipeline stage by stage: what decode counts
+    arrivals by and what its control port is counted by (the engine's first port + this)."""
+    return pp_rank * tp_size + tp_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,6 +599,8 @@ def _cross_check(msg: Message) -> str | None:
     if isinstance(msg, Hello | Registration | WriteDone | ReadDone) and msg.tp_rank >= msg.tp_size:
         return f"tp_rank {msg.tp_rank} is not below tp_size {msg.tp_size}"
     if isinstance(msg, Hello):
+        if msg.pp_rank >= msg.pp_size:
+            return f"pp_rank {msg.pp_rank} is not below pp_size {msg.pp_size}"
         return _outside_memory(msg.layout, msg.memory)
     if isinstance(msg, Registration) and msg.first_token > msg.num_tokens:
         return f"first_token {msg.first_token} is beyond num_tokens {msg.num_tokens}"
@@ -597,15 +628,17 @@ def grant(
     block_ids: tuple[int, ...],
     num_tokens: int,
     tp_size: int,
+    pp_size: int = 1,
 ) -> str:
     """Pull: prefill's signature over the blocks it leased for a transfer.
 
     Prefill hands it out in `kv_transfer_params` with everything a READ depends on (its
-    engine id, the blocks, how many tokens they hold, its TP size), which travel through
-    the router; decode checks it (`grant_ok`) before it READs, and checks that the prefill
-    it reaches is that engine, so coordinates forged or altered on the way never make it
-    read blocks prefill did not lease for that transfer. Prefill in turn confirms a READ
-    only for a lease it holds (a grant of an earlier incarnation finds none).
+    engine id, the blocks, how many tokens they hold, its TP and pipeline sizes), which
+    travel through the router; decode checks it (`grant_ok`) before it READs, and checks
+    that the prefill it reaches is that engine, so coordinates forged or altered on the way
+    never make it read blocks prefill did not lease for that transfer. Prefill in turn
+    confirms a READ only for a lease it holds (a grant of an earlier incarnation finds
+    none).
 
     It runs on vLLM's scheduler thread once per finished prefill, after a forward has
     evicted most of the caches, so it is keyed BLAKE2b (a MAC by design, in Python's own
@@ -616,7 +649,9 @@ def grant(
     engine, transfer = engine_id.encode(), transfer_id.encode()
     signed = b"".join(
         (
-            _GRANT_HEAD.pack(len(engine), len(transfer), len(block_ids), num_tokens, tp_size),
+            _GRANT_HEAD.pack(
+                len(engine), len(transfer), len(block_ids), num_tokens, tp_size, pp_size
+            ),
             engine,
             transfer,
             struct.pack(f"<{len(block_ids)}q", *block_ids),
@@ -627,7 +662,8 @@ def grant(
     ).hexdigest()
 
 
-_GRANT_HEAD = struct.Struct("<IIIqI")  # the lengths of engine, transfer and blocks; tokens, TP
+# the lengths of engine, transfer and blocks; tokens, TP, pipeline stages
+_GRANT_HEAD = struct.Struct("<IIIqII")
 
 
 def _grant_key(secret: bytes) -> bytes:
@@ -642,9 +678,10 @@ def grant_ok(
     block_ids: tuple[int, ...],
     num_tokens: int,
     tp_size: int,
+    pp_size: int = 1,
 ) -> bool:
     try:
-        expected = grant(secret, engine_id, transfer_id, block_ids, num_tokens, tp_size)
+        expected = grant(secret, engine_id, transfer_id, block_ids, num_tokens, tp_size, pp_size)
     except struct.error:  # a number out of range: no grant was ever made for it
         return False
     return hmac.compare_digest(token.encode(), expected.encode())

@@ -240,6 +240,7 @@ class Rendezvous:
         max_wait_s: float = math.inf,
         max_waiting: int = 4096,
         max_tombstones: int = 65536,
+        pp_rank: int = 0,
     ) -> None:
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
@@ -247,6 +248,7 @@ class Rendezvous:
             raise ValueError("max_wait_s must be positive and the caps at least 1")
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.pp_rank = pp_rank
         self.lease_s = lease_s
         self.tombstone_s = tombstone_s
         self.max_wait_s = max_wait_s
@@ -632,12 +634,15 @@ class Rendezvous:
             False,
             why[:MAX_TEXT_LEN],
             sampled,
+            self.pp_rank,
         )
         return NotifyFailure(reg.host, reg.port, message)
 
     def _ack(self, to: tuple[str, int], transfer_id: str, generation: int) -> NotifyFailure:
         why = "cancel acknowledged: no write of this transfer can land any more"
-        message = WriteDone(transfer_id, generation, self.tp_rank, self.tp_size, False, why)
+        message = WriteDone(
+            transfer_id, generation, self.tp_rank, self.tp_size, False, why, pp_rank=self.pp_rank
+        )
         return NotifyFailure(to[0], to[1], message)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvpush.core.planning import KVLayout
-from kvpush.core.protocol import Hello
+from kvpush.core.protocol import Hello, producer_rank
 from kvpush.dataplane.control import ControlClient
 from kvpush.node.config import KvpushConfig
 from kvpush.node.results import Results
@@ -32,12 +32,17 @@ class Identity:
     tp_size: int
     # vLLM's data-parallel index of this engine: each DP engine's ranks get their own ports
     dp_index: int = 0
+    # the pipeline stage (a prefill split over stages holds some of the layers on each)
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @property
     def port_offset(self) -> int:
         """This rank's control port, counted from the configured base port: the ports of
-        one engine are consecutive (one per TP rank), and DP engines follow each other."""
-        return self.dp_index * self.tp_size + self.tp_rank
+        one engine are consecutive (one per TP rank, stage after stage), and DP engines
+        follow each other."""
+        ranks = self.tp_size * self.pp_size
+        return self.dp_index * ranks + producer_rank(self.pp_rank, self.tp_rank, self.tp_size)
 
 
 class Transfer(Protocol):

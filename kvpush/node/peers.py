@@ -23,6 +23,7 @@ flight is released), so agents do not pile up across restarts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -66,7 +67,10 @@ class RemoteRank(Generic[J]):
     # push prefill: the Hello the peer sent on its own connection to us, taken as its
     # handshake (we never dial an address a message names to learn a peer)
     offered: Hello | None = None
+    # its Hello once handshaken, the layout cut to the layers both sides hold
+    # (`planning.align`: a pipeline stage holds some), and our own layout cut alike
     hello: Hello | None = None
+    layout: KVLayout | None = None
     connection: int = 0  # the client's connection the handshake went over
     agent: str = ""
     error: str = ""
@@ -259,19 +263,18 @@ class Peers(Generic[J]):
             if problem:
                 peer.error_kind = "incompatible_peer"
                 raise ConnectionError(f"incompatible peer {remote.engine_id}: {problem}")
+            mine, theirs = planning.align(ctx.layout, remote.layout, "local", str(peer))
             if self.load_agents:
                 agent = ctx.transport.add_peer(remote.agent_metadata, name=remote.agent_name)
                 loaded = agent
-                same = (
-                    same_shape(ctx.layout, remote.layout)
-                    and remote.tp_size == ctx.identity.tp_size
-                )
+                same = same_shape(mine, theirs) and remote.tp_size == ctx.identity.tp_size
                 if same:
                     ctx.transport.prepare_peer_blocks(
-                        agent, block_pieces(ctx.layout), block_pieces(remote.layout)
+                        agent, block_pieces(mine), block_pieces(theirs)
                     )
                 peer.agent, peer.same_shape = agent, same
-            peer.hello = remote
+            peer.layout = mine
+            peer.hello = dataclasses.replace(remote, layout=theirs)
         except Exception as exc:  # any failure here fails this peer's transfers, clearly
             if loaded:
                 ctx.transport.remove_peer(loaded)
@@ -305,13 +308,13 @@ def post_kv(
     many tokens prefill computed. Raises `PlanError` or `TransferError` with what went
     wrong.
     """
-    transport, hello = ctx.transport, ctx.hello
-    assert peer.hello is not None
+    transport = ctx.transport
+    assert peer.hello is not None and peer.layout is not None
     if prefill_tokens < num_tokens:
         raise planning.PlanError(
             f"prefill computed {prefill_tokens} tokens but decode needs {num_tokens}"
         )
-    local, remote = hello.layout, peer.hello.layout
+    local, remote = peer.layout, peer.hello.layout
     ours = (local, local_blocks, ctx.identity.tp_rank, ctx.identity.tp_size)
     theirs = (remote, remote_blocks, peer.hello.tp_rank, peer.hello.tp_size)
     (src, src_blocks, src_rank, src_tp), (dst, dst_blocks, dst_rank, dst_tp) = (
@@ -356,8 +359,9 @@ def post_kv(
             src_tp=src_tp,
             dst_rank=dst_rank,
             dst_tp=dst_tp,
+            group=group,
         )
-        for start, s, d in groups
+        for group, (start, s, d) in enumerate(groups)
     ]
     rows = plans[0].descriptors() if len(plans) == 1 else planning.coalesce(
         np.concatenate([plan.descriptors() for plan in plans])
@@ -382,9 +386,13 @@ def _other(op: Op) -> str:
 
 
 def same_shape(a: KVLayout, b: KVLayout) -> bool:
-    """Both sides cut blocks into the same pieces: prepared block lists pair up by index."""
+    """Both sides cut blocks into the same pieces: prepared block lists pair up by index
+    (and every block id names its cells in every region: no region of a pipeline stage
+    holds fewer KV cache groups' layers than another)."""
     return (
         a.num_regions == b.num_regions
+        and not planning.partial(a)
+        and not planning.partial(b)
         and a.block_size == b.block_size
         and a.sub_blocks == b.sub_blocks
         and a.whole_blocks == b.whole_blocks

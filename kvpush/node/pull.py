@@ -148,7 +148,8 @@ class LeaseKeeper(PeerLoop[None]):
         log.error("refusing transfer %s: %s", reg.transfer_id, why)  # counted at handshake
         self._release(self.leases.refuse(reg.transfer_id, why, now))
         refusal = WriteDone(
-            reg.transfer_id, reg.generation, ident.tp_rank, ident.tp_size, False, why
+            reg.transfer_id, reg.generation, ident.tp_rank, ident.tp_size, False, why,
+            pp_rank=ident.pp_rank,
         )
         self.peers.notify(reg.host, reg.port, refusal)
 

@@ -65,6 +65,7 @@ class PushWriter(PeerLoop[StartWrite]):
             ident.tp_size,
             lease_s=ctx.config.lease_s,
             max_wait_s=ctx.config.prefill_timeout_s,
+            pp_rank=ident.pp_rank,
         )
         self.registered_at: dict[tuple[str, int], float] = {}
         # request id -> when vLLM finished its prefill, until its blocks are released
@@ -405,7 +406,14 @@ class PushWriter(PeerLoop[StartWrite]):
         ident = self.ctx.identity
         transfer_id = split_leg(reg.transfer_id)[0]
         done = WriteDone(
-            transfer_id, reg.generation, ident.tp_rank, ident.tp_size, True, "", start.local.sampled
+            transfer_id,
+            reg.generation,
+            ident.tp_rank,
+            ident.tp_size,
+            True,
+            "",
+            start.local.sampled,
+            ident.pp_rank,
         )
         # Said at once where the connection is open and has room (a wake of the message
         # pool and one of this thread fewer, on prefill's cores while its first token

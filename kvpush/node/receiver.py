@@ -35,6 +35,7 @@ from kvpush.core.protocol import (
     MAX_TEXT_LEN,
     NO_TOKEN,
     Cancel,
+    Hello,
     LeaseRenew,
     Message,
     ProtocolError,
@@ -44,6 +45,7 @@ from kvpush.core.protocol import (
     WriteDone,
     Writing,
     grant_ok,
+    producer_rank,
 )
 from kvpush.dataplane.control import ControlClient, Unreachable
 from kvpush.dataplane.transport import TransferError
@@ -92,6 +94,25 @@ class _HoldLost:
     """Prefill answered a renewal of `holding`: it no longer holds the KV."""
 
     holding: _Holding
+
+
+def _misplaced(spec: RecvSpec, rank: int, hello: Hello | None, fix: str) -> str | None:
+    """Why the prefill rank that answered at the engine's port + `rank` is not the one
+    decode counts on there (None when it is): a TP or pipeline size other than
+    kv_transfer_params say would leave heads or layers that nobody writes."""
+    if hello is None:
+        return None
+    if (hello.tp_size, hello.pp_size) != (spec.prefill_tp, spec.prefill_pp):
+        return (
+            f"prefill runs TP {hello.tp_size} x {hello.pp_size} pipeline stage(s), but "
+            f"kv_transfer_params say TP {spec.prefill_tp} x {spec.prefill_pp}: {fix}"
+        )
+    if producer_rank(hello.pp_rank, hello.tp_rank, hello.tp_size) != rank:
+        return (
+            f"it is rank {hello.tp_rank} of stage {hello.pp_rank}, not the rank {rank} its "
+            "port stands for: the prefill's control ports are not one block per engine"
+        )
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +277,7 @@ class Receiver(PeerLoop[_ForRank]):
 
     def _expect(self, spec: RecvSpec, now: float) -> None:
         self._unhold(spec.transfer_id)
-        producers = self._producers(spec.prefill_tp)
+        producers = self._producers(spec.prefill_tp, spec.prefill_pp)
         deadline = now + self._wait_s
         self.arrivals.expect(spec.transfer_id, spec.generation, producers, deadline)
         old = self.expecting.get(spec.transfer_id)
@@ -281,7 +302,7 @@ class Receiver(PeerLoop[_ForRank]):
         the request's KV for nobody: tell them to free it now, not at the end of a lease.
         Each such rank hears from one decode rank."""
         why = "no decode rank reads this prefill rank's KV: its heads come from a replica"
-        for rank in self._unread(spec.prefill_tp):
+        for rank in self._unread(spec.prefill_tp, spec.prefill_pp):
             host, port = spec.prefill_host, spec.prefill_port + rank
             if self.pull:  # with no readers, prefill takes a ReadDone as "free it"
                 done = self._read_done(spec, False, why)
@@ -306,23 +327,26 @@ class Receiver(PeerLoop[_ForRank]):
                 self._register(job, peer)
             self._read_failed(job, peer.error, peer.error_kind or "handshake_failed")
 
-    def _producers(self, prefill_tp: int) -> tuple[int, ...]:
-        """The prefill ranks that send this rank its KV heads."""
+    def _producers(self, prefill_tp: int, prefill_pp: int = 1) -> tuple[int, ...]:
+        """The prefill ranks that send this rank its KV heads, on every pipeline stage
+        (`producer_rank`: the engine's first control port + this is the rank's)."""
         ident = self.ctx.identity
         total = self.ctx.layout.total_heads
-        return tuple(sorted(planning.sources(ident.tp_rank, ident.tp_size, prefill_tp, total)))
+        heads = sorted(planning.sources(ident.tp_rank, ident.tp_size, prefill_tp, total))
+        return tuple(producer_rank(p, r, prefill_tp) for p in range(prefill_pp) for r in heads)
 
-    def _unread(self, prefill_tp: int) -> list[int]:
+    def _unread(self, prefill_tp: int, prefill_pp: int = 1) -> list[int]:
         """The prefill ranks nobody reads (`planning.unread`) that this rank tells to free
-        their KV: one decode rank each."""
+        their KV: one decode rank each, on every pipeline stage."""
         ident = self.ctx.identity
         unread = planning.unread(prefill_tp, ident.tp_size, self.ctx.layout.total_heads)
-        return [rank for rank in unread if rank % ident.tp_size == ident.tp_rank]
+        mine = [rank for rank in unread if rank % ident.tp_size == ident.tp_rank]
+        return [producer_rank(p, r, prefill_tp) for p in range(prefill_pp) for r in mine]
 
-    def _holders(self, prefill_tp: int) -> tuple[int, ...]:
+    def _holders(self, prefill_tp: int, prefill_pp: int = 1) -> tuple[int, ...]:
         """Every prefill rank that holds KV this rank speaks for: its producers and the
         unread ranks it tells to free theirs."""
-        return (*self._producers(prefill_tp), *self._unread(prefill_tp))
+        return (*self._producers(prefill_tp, prefill_pp), *self._unread(prefill_tp, prefill_pp))
 
     def _outcomes(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
@@ -433,7 +457,7 @@ class Receiver(PeerLoop[_ForRank]):
         hold KV for it - tell each producer rank to free it now."""
         ident = self.ctx.identity
         why = "decode request ended before it got blocks"
-        for rank in self._holders(item.prefill_tp):
+        for rank in self._holders(item.prefill_tp, item.prefill_pp):
             host, port = item.prefill_host, item.prefill_port + rank
             if self.pull:  # prefill answers a ReadDone; the answer changes nothing here
                 done = ReadDone(item.transfer_id, 0, ident.tp_rank, ident.tp_size, False, why)
@@ -470,7 +494,7 @@ class Receiver(PeerLoop[_ForRank]):
             )
             return
         renew = LeaseRenew(spec.transfer_id, 0)  # the generation its first blocks will have
-        for rank in self._holders(spec.prefill_tp):
+        for rank in self._holders(spec.prefill_tp, spec.prefill_pp):
             client = self._client(spec.prefill_host, spec.prefill_port + rank)
             self.peers.submit(self._ask_hold, holding, client, renew)
         holding.deadline = now + config.lease_s / 2
@@ -562,6 +586,12 @@ class Receiver(PeerLoop[_ForRank]):
             if not peer.error:  # else the handshake's failure is the request's
                 self._read_failed(job, why, "wrong_engine")
             return
+        misplaced = _misplaced(spec, job.rank, hello, "give the proxy the prefill's tp= and pp=")
+        if misplaced:
+            if not peer.error:
+                self._read_failed(job, f"{peer}: {misplaced}; nothing was registered",
+                                  "wrong_engine")  # fmt: skip
+            return
         ctx = self.ctx
         ident = ctx.identity
         reg = Registration(
@@ -612,6 +642,7 @@ class Receiver(PeerLoop[_ForRank]):
             spec.remote_block_ids,
             spec.remote_num_tokens,
             spec.prefill_tp,
+            spec.prefill_pp,
         ):
             why = (
                 "kv_transfer_params carry no valid grant from prefill: forged or altered on "
@@ -639,6 +670,10 @@ class Receiver(PeerLoop[_ForRank]):
             )
             self.expecting[spec.transfer_id].forged = True
             self._read_failed(read, why, "bad_grant")
+            return
+        misplaced = _misplaced(spec, read.rank, peer.hello, "coordinates altered on the way")
+        if misplaced:
+            self._read_failed(read, f"{peer}: {misplaced}; nothing was read", "wrong_engine")
             return
         expecting = self.expecting[spec.transfer_id]
         expecting.connections[read.rank] = peer.client.connection

@@ -34,6 +34,7 @@ class RecvSpec:
     remote_num_tokens: int = 0
     remote_engine_id: str = ""
     remote_grant: str = ""  # prefill's signature over the above (`protocol.grant`)
+    prefill_pp: int = 1  # prefill's pipeline stages: each holds some layers, its own ports
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class HoldSpec:
     prefill_host: str
     prefill_port: int
     prefill_tp: int = 1
+    prefill_pp: int = 1  # prefill's pipeline stages: each holds some layers, its own ports
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +83,4 @@ class AbortSpec:
     prefill_host: str = ""
     prefill_port: int = 0
     prefill_tp: int = 1
+    prefill_pp: int = 1

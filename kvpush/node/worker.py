@@ -140,7 +140,8 @@ class WorkerSide:
         server_tls = client_tls = None
         if config.tls:  # first: unreadable files fail before anything is registered
             server_tls, client_tls = tls_contexts(config.tls_cert, config.tls_key, config.tls_ca)
-        name = f"{ident.engine_id}-tp{ident.tp_rank}-{uuid.uuid4().hex[:8]}"
+        stage = f"-pp{ident.pp_rank}" if ident.pp_size > 1 else ""
+        name = f"{ident.engine_id}{stage}-tp{ident.tp_rank}-{uuid.uuid4().hex[:8]}"
         if transport is None:
             self.transport = NixlTransport(name, self.config.backend)
             self.transport.register_regions(list(memory), mem=mem, device=device)
@@ -163,6 +164,8 @@ class WorkerSide:
             memory=tuple(memory),
             host=self.config.host,
             port=self.port,
+            pp_rank=ident.pp_rank,
+            pp_size=ident.pp_size,
         )
         self.results.by_request = layout.groups > 1
         self.ctx = ctx = Context(config, ident, transport, hello, self.results, client_tls)
@@ -183,7 +186,7 @@ class WorkerSide:
             self.server.start()
         except OSError as exc:
             raise listen_failed(exc, config.listen_host, config.host) from exc
-        if ident.tp_size == 1:
+        if ident.tp_size * ident.pp_size == 1:
             _IN_PROCESS[ident.engine_id] = self
         if isinstance(self.part, PushWriter):
             self.direct = DirectReceiver.open(
@@ -194,11 +197,12 @@ class WorkerSide:
                 reject=lambda kind: self.results.count("rejected", kind),
             )
         log.info(
-            "kvpush %s worker %d/%d: %d KV regions x %d blocks of %d tokens%s, %d of %d KV "
+            "kvpush %s worker %d/%d%s: %d KV regions x %d blocks of %d tokens%s, %d of %d KV "
             "heads (%s), control on %s:%d (listening on %s)",
             ident.role,
             ident.tp_rank,
             ident.tp_size,
+            f" of pipeline stage {ident.pp_rank}/{ident.pp_size}" if ident.pp_size > 1 else "",
             layout.num_regions,
             layout.scheduler_blocks,
             layout.block_tokens,

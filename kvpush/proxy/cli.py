@@ -22,9 +22,10 @@ EPILOG = """\
 backends:
   --prefill and --decode take one or more backends; any number of each. In push mode decode
   must be told where each prefill's KV lives, so a prefill backend is written
-  URL,engine=ID,kv=HOST:PORT[,tp=N][,dp=N] (the engine id and kvpush control address the
-  prefill server was started with, its TP size, and its data-parallel size: the proxy
-  picks one of its DP engines per request and pins prefill's leg to it). Any backend may
+  URL,engine=ID,kv=HOST:PORT[,tp=N][,pp=N][,dp=N] (the engine id and kvpush control address
+  the prefill server was started with, its TP size, its pipeline stages, and its
+  data-parallel size: the proxy picks one of its DP engines per request and pins prefill's
+  leg to it). Any backend may
   say dp=N (URL,dp=N): its queue counts as shared by its engines. Instead of the flags,
   --config FILE lists them in a JSON or TOML file, re-read whenever it changes:
       prefill = ["http://10.0.0.1:8100,engine=prefill-0,kv=10.0.0.1:5600,tp=8"]

@@ -22,7 +22,7 @@ from typing import Any
 from kvpush.proxy.rewrite import Backend, parse_backend
 
 ROLES = ("prefill", "decode")
-PUSH_PREFILL_SYNTAX = "URL,engine=ID,kv=HOST:PORT[,tp=N][,dp=N]"
+PUSH_PREFILL_SYNTAX = "URL,engine=ID,kv=HOST:PORT[,tp=N][,pp=N][,dp=N]"
 EXAMPLE = '{"prefill": ["http://10.0.0.1:8100,engine=prefill-0,kv=10.0.0.1:5600"], "decode": ["http://10.0.0.2:8200"]}'
 
 

@@ -39,6 +39,8 @@ class Backend:
     # data-parallel engines behind its one API server: they share its load, and a push
     # prefill's legs are pinned to one of them
     dp_size: int = 1
+    # pipeline stages of each engine: with TP, the engine's control ports (one per rank)
+    pp_size: int = 1
 
     @property
     def has_kv_coordinates(self) -> bool:
@@ -47,17 +49,19 @@ class Backend:
     def engine(self, dp_rank: int) -> tuple[str, int]:
         """The engine id and first control port of its data-parallel engine `dp_rank`:
         vLLM appends "_dp<rank>" to a data-parallel engine's id, and kvpush gives each
-        engine's TP ranks the control ports after the previous engine's."""
+        engine's ranks (TP x pipeline stages) the control ports after the previous engine's."""
         if self.dp_size == 1:
             return self.engine_id, self.kv_port
-        return f"{self.engine_id}_dp{dp_rank}", self.kv_port + dp_rank * self.tp_size
+        ranks = self.tp_size * self.pp_size
+        return f"{self.engine_id}_dp{dp_rank}", self.kv_port + dp_rank * ranks
 
 
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM runs the request on that engine
 
 
 def parse_backend(spec: str) -> Backend:
-    """Parse `URL[,engine=ID][,kv=HOST:PORT][,tp=N][,dp=N]` as given on the command line."""
+    """Parse `URL[,engine=ID][,kv=HOST:PORT][,tp=N][,pp=N][,dp=N]` as given on the command
+    line."""
     url, *options = [part.strip() for part in spec.split(",")]
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -74,13 +78,13 @@ def parse_backend(spec: str) -> Backend:
             if not colon or not port.isdigit():
                 raise ValueError(f"backend {spec!r}: kv={value!r} must be HOST:PORT")
             fields["kv_host"], fields["kv_port"] = host, int(port)
-        elif key in ("tp", "dp"):
+        elif key in ("tp", "pp", "dp"):
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"backend {spec!r}: {key}={value!r} must be a positive integer")
             fields[f"{key}_size"] = int(value)
         else:
             raise ValueError(
-                f"backend {spec!r}: unknown option {key!r} (use engine, kv, tp, dp)"
+                f"backend {spec!r}: unknown option {key!r} (use engine, kv, tp, pp, dp)"
             )
     return Backend(**fields)
 
@@ -90,9 +94,10 @@ def format_backend(backend: Backend) -> str:
     dp = f",dp={backend.dp_size}" if backend.dp_size > 1 else ""
     if not backend.has_kv_coordinates:
         return backend.url + dp
+    pp = f",pp={backend.pp_size}" if backend.pp_size > 1 else ""
     return (
         f"{backend.url},engine={backend.engine_id},"
-        f"kv={backend.kv_host}:{backend.kv_port},tp={backend.tp_size}{dp}"
+        f"kv={backend.kv_host}:{backend.kv_port},tp={backend.tp_size}{pp}{dp}"
     )
 
 
@@ -221,7 +226,7 @@ def push_decode_params(prefill: Backend, transfer_id: str, dp_rank: int = 0) -> 
     if not prefill.has_kv_coordinates:
         raise ValueError(
             f"prefill backend {prefill.url} has no KV coordinates; push mode needs "
-            "--prefill URL,engine=ID,kv=HOST:PORT[,tp=N][,dp=N]"
+            "--prefill URL,engine=ID,kv=HOST:PORT[,tp=N][,pp=N][,dp=N]"
         )
     engine_id, port = prefill.engine(dp_rank)
     return {
@@ -233,7 +238,7 @@ def push_decode_params(prefill: Backend, transfer_id: str, dp_rank: int = 0) -> 
         "remote_request_id": transfer_id,
         "remote_block_ids": [],
         "tp_size": prefill.tp_size,
-        "pp_size": 1,
+        "pp_size": prefill.pp_size,
         "transfer_id": transfer_id,
     }
 

@@ -243,28 +243,34 @@ def format_cores(cores: Sequence[int]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Parallel:
-    """How the servers of one role run: tensor- and data-parallel sizes and KV block size
-    (None: the attention backend's default)."""
+    """How the servers of one role run: tensor-, data- and pipeline-parallel sizes and KV
+    block size (None: the attention backend's default)."""
 
     tp: int = 1
     dp: int = 1
     block_size: int | None = None
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.dp < 1:
-            raise ValueError(f"TP and DP sizes must be at least 1, got TP {self.tp} DP {self.dp}")
+        if self.tp < 1 or self.dp < 1 or self.pp < 1:
+            raise ValueError(
+                f"TP, DP and PP sizes must be at least 1, got TP {self.tp} DP {self.dp} "
+                f"PP {self.pp}"
+            )
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block size must be positive, got {self.block_size}")
 
     @property
     def ranks(self) -> int:
         """Worker processes of one server: each gets a control port and a core binding."""
-        return self.tp * self.dp
+        return self.tp * self.pp * self.dp
 
     def vllm_args(self) -> list[str]:
         args = []
         if self.tp > 1:
             args += ["--tensor-parallel-size", str(self.tp)]
+        if self.pp > 1:
+            args += ["--pipeline-parallel-size", str(self.pp)]
         if self.dp > 1:
             args += ["--data-parallel-size", str(self.dp)]
         if self.block_size is not None:
@@ -272,7 +278,8 @@ class Parallel:
         return args
 
     def describe(self) -> str:
-        parts = [f"TP {self.tp}"] + ([f"DP {self.dp}"] if self.dp > 1 else [])
+        parts = [f"TP {self.tp}"] + [f"PP {self.pp}"] * (self.pp > 1)
+        parts += [f"DP {self.dp}"] * (self.dp > 1)
         return ", ".join(parts + ([f"block {self.block_size}"] if self.block_size else []))
 
 
@@ -315,7 +322,8 @@ class ServerSpec:
 
     @property
     def kv_ports(self) -> range:
-        """The control (side-channel) ports of its workers: one per TP rank, per DP engine."""
+        """The control (side-channel) ports of its workers: one per TP rank, per pipeline
+        stage, per DP engine."""
         return range(self.kv_port, self.kv_port + self.parallel.ranks)
 
     def confinement(self) -> str:
@@ -333,6 +341,7 @@ class ServerSpec:
                 self.kv_port,
                 self.parallel.tp,
                 self.parallel.dp,
+                self.parallel.pp,
             )
         return Backend(self.url, dp_size=self.parallel.dp)
 

@@ -134,6 +134,15 @@ def register(subparsers: Any) -> None:
             help=f"data-parallel size of each {role} server (default 1)"
             + ("; in push mode the proxy picks the engine" if role == "prefill" else ""),
         )
+    parser.add_argument(
+        "--prefill-pp",
+        type=at_least(1),
+        default=1,
+        metavar="N",
+        help="pipeline stages of each prefill server (default 1): each stage moves its own "
+        "layers' KV; decode runs one stage",
+    )
+    for role in ("prefill", "decode"):
         parser.add_argument(
             f"--{role}-block-size",
             type=at_least(1),
@@ -214,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
                     getattr(args, f"{role}_tp"),
                     getattr(args, f"{role}_dp"),
                     getattr(args, f"{role}_block_size"),
+                    args.prefill_pp if role == "prefill" else 1,
                 )
                 for role in ("prefill", "decode")
             },

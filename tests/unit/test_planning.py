@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from kvpush.core.planning import (
     KVLayout,
     PlanError,
     WritePlan,
+    align,
     check_mappable,
     coalesce,
     destinations,
@@ -279,6 +281,75 @@ def test_layout_validation() -> None:
     with pytest.raises(PlanError, match="multiple"):
         layout(num_blocks=63, sub_blocks=2)
     assert check_mappable(layout(), layout(block_size=32, heads=2, total_heads=4), 1, 2) is None
+
+
+def named(lay: KVLayout, *layers: str | tuple[str, ...]) -> KVLayout:
+    """`lay` with its regions holding `layers`: a name, or a tuple of each KV cache
+    group's layer in the region ("": that group has none there)."""
+    names = tuple((n,) if isinstance(n, str) else n for n in layers)
+    return dataclasses.replace(lay, layers=names, groups=len(names[0]))
+
+
+def test_a_pipeline_stage_moves_its_layers_into_the_same_layers_regions() -> None:
+    """A prefill stage holding layers 2 and 3 of 4 writes decode's regions of layers 2 and
+    3, and nothing of layers 0 and 1, whichever side is source."""
+    full = named(layout(regions=4, base=0x100000), "m.0.attn", "m.1.attn", "m.2.attn", "m.3.attn")
+    stage = named(layout(regions=2), "m.2.attn", "m.3.attn")
+    region = full.region_bases[1] - full.region_bases[0]
+    for src, dst, far in ((stage, full, "dst"), (full, stage, "src")):
+        plan = plan_transfer(src, [3, 1], dst, [5, 6], 20)
+        assert plan.total_bytes == 2 * 20 * 4 * UNIT  # two layers' worth, every head
+        rows = plan.descriptors()
+        column = rows[:, 1] if far == "dst" else rows[:, 0]
+        lo, hi = full.region_bases[2], full.region_bases[3] + region
+        assert ((column >= lo) & (column < hi)).all(), "only layers 2 and 3 of the full side"
+    a, b = align(stage, full)
+    assert a == stage and b.layers == stage.layers and b.region_bases == full.region_bases[2:]
+
+
+def test_a_stage_of_a_hybrid_model_moves_each_groups_blocks_through_its_layers_regions() -> None:
+    """vLLM's hybrid KV cache manager shares a region between the i-th layers of its
+    groups; a pipeline stage may hold one group's layer of a region without the other's.
+    Each group's blocks then move only through the regions where the stage holds that
+    group's layer, into the whole model's region of that layer."""
+    full = named(layout(regions=2, base=0x100000), ("full.0", "swa.1"), ("full.2", "swa.3"))
+    # stage 1 of 2: layers 2 (full attention) and 3 (windowed), each alone in a region
+    stage = named(layout(regions=2), ("full.2", ""), ("", "swa.3"))
+    a, b = align(stage, full)
+    assert b.region_bases == (full.region_bases[1], full.region_bases[1])
+    region = full.region_bases[1] - full.region_bases[0]
+    for group, src_region in ((0, 0), (1, 1)):
+        plan = plan_transfer(stage, [3, 1], full, [5, 6], 20, group=group)
+        assert plan.src_bases == (stage.region_bases[src_region],)
+        assert plan.dst_bases == (full.region_bases[1],)
+        assert plan.total_bytes == 20 * 4 * UNIT
+        dst = plan.descriptors()[:, 1]
+        assert ((dst >= full.region_bases[1]) & (dst < full.region_bases[1] + region)).all()
+    with pytest.raises(PlanError, match="plan each group's blocks apart"):
+        plan_transfer(stage, [3, 1, 4, 2], full, [5, 6, 7, 8], 20)
+
+
+def test_layers_pair_by_name_not_by_place() -> None:
+    """Regions pair by the layers they hold, in the smaller side's order; a region shared
+    by several groups' layers pairs only with one holding the same layer for each group."""
+    full = named(layout(regions=3), ("a", "b"), ("c", "d"), ("e", "f"))
+    stage = named(layout(regions=2, base=0x900000), ("e", "f"), ("a", "b"))
+    _, cut = align(stage, full)
+    assert cut.region_bases == (full.region_bases[2], full.region_bases[0])
+    for other, why in (
+        (named(layout(regions=2), ("e", "x"), ("a", "b")), "does not"),
+        (named(layout(regions=2), ("a", "b"), ("z", "")), "does not"),
+        (dataclasses.replace(layout(regions=2), groups=2), "KV layers"),  # unnamed: by count
+    ):
+        problem = check_mappable(other, full, 1, 1)
+        assert problem is not None and why in problem, problem
+    assert check_mappable(named(layout(regions=2), "a", "b"), layout(regions=2), 1, 1) is None
+    with pytest.raises(PlanError, match="names the layers of 1 regions"):
+        named(layout(regions=2), "a")
+    with pytest.raises(PlanError, match="one layer in two regions"):
+        named(layout(regions=2), "a", "a")
+    with pytest.raises(PlanError, match="one per KV cache group"):
+        named(layout(regions=2), ("a", ""), ("", ""))
 
 
 def test_block_chunks_follow_the_layout() -> None:

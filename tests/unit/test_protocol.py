@@ -293,7 +293,7 @@ def test_header_refusals() -> None:
 def test_error_messages_say_what_to_fix() -> None:
     frame = encode(REGISTRATION)
     with pytest.raises(ProtocolError, match="run the same kvpush version"):
-        decode(frame[:2] + b"\x09" + frame[3:])
+        decode(frame[:2] + bytes([PROTOCOL_VERSION + 1]) + frame[3:])
     with pytest.raises(ProtocolError, match="configure the same secret on both sides"):
         decode(frame, SECRET)
     with pytest.raises(ProtocolError, match="raise the receiver's max frame size"):
@@ -525,3 +525,34 @@ def test_a_grant_checks_out_only_for_exactly_what_was_granted() -> None:
     long_secret = b"s" * 100  # longer than BLAKE2b's key: hashed to one, still binding
     assert grant(long_secret, "e", "t", (1,), 1, 1) != grant(b"s" * 99, "e", "t", (1,), 1, 1)
     assert grant_ok(long_secret, grant(long_secret, "e", "t", (1,), 1, 1), "e", "t", (1,), 1, 1)
+
+
+def test_a_pipeline_stage_hello_names_its_stage_and_its_regions_layers() -> None:
+    """A stage's Hello carries its pipeline rank and size and, per region, each KV cache
+    group's layer there ("" where the group has none): what decode pairs regions by."""
+    stage = dataclasses.replace(
+        LAYOUT, groups=2, layers=(("model.layers.2.attn", ""), ("", "model.layers.3.attn"))
+    )
+    sent = hello(layout=stage, pp_rank=1, pp_size=2)
+    assert decode(encode(sent)) == sent
+    assert decode(encode(hello())).pp_size == 1  # a plain server: one stage
+    with pytest.raises(ProtocolError, match="pp_rank 2 is not below pp_size 2"):
+        decode(encode(hello(pp_rank=2, pp_size=2)))
+    values = encode_fields(sent)
+    layout_at = [f.name for f in dataclasses.fields(Hello)].index("layout")
+    values[layout_at][-1] = [["", ""], ["model.layers.3.attn", ""]]  # a region of no layer
+    with pytest.raises(ProtocolError, match="one per KV cache group"):
+        decode(payload_frame(values, type_code=1))
+    done = WriteDone("t-1", 0, 1, 2, True, "", pp_rank=1)
+    assert decode(encode(done)) == done and done.producer_rank == 3  # stage 1 follows TP 2
+
+
+def test_a_grant_covers_the_pipeline_stages() -> None:
+    """Decode reads from every stage prefill names: a grant for one stage count is no grant
+    for another, so a router cannot make decode read fewer layers than prefill holds."""
+    token = grant(b"s" * 32, "prefill-0", "t-1", (4, 5), 60, 2, 2)
+    assert grant_ok(b"s" * 32, token, "prefill-0", "t-1", (4, 5), 60, 2, 2)
+    assert not grant_ok(b"s" * 32, token, "prefill-0", "t-1", (4, 5), 60, 2, 1)
+    assert grant(b"s" * 32, "prefill-0", "t-1", (4, 5), 60, 2) == grant(
+        b"s" * 32, "prefill-0", "t-1", (4, 5), 60, 2, 1
+    )

@@ -38,6 +38,21 @@ def test_a_data_parallel_prefill_names_each_engine_as_vllm_and_kvpush_do() -> No
     assert plain.dp_size == 2 and rewrite.format_backend(plain) == "http://h:1,dp=2"
 
 
+def test_a_pipeline_parallel_prefill_takes_tp_times_pp_control_ports_per_engine() -> None:
+    """pp=N: each engine's ranks take TP x PP control ports, so engine r's first port
+    follows the previous engine's last; decode is told the stages to register with."""
+    spec = "http://127.0.0.1:8100,engine=prefill-0,kv=127.0.0.1:5600,tp=2,pp=2,dp=2"
+    backend = rewrite.parse_backend(spec)
+    assert (backend.tp_size, backend.pp_size, backend.dp_size) == (2, 2, 2)
+    assert rewrite.format_backend(backend) == spec
+    assert backend.engine(1) == ("prefill-0_dp1", 5604)
+    params = rewrite.push_decode_params(backend, "t1", dp_rank=1)
+    assert (params["remote_port"], params["tp_size"], params["pp_size"]) == (5604, 2, 2)
+    assert rewrite.push_decode_params(PREFILL, "t1")["pp_size"] == 1
+    with pytest.raises(ValueError, match="pp='0' must be a positive integer"):
+        rewrite.parse_backend("http://h:1,engine=p,kv=h:2,pp=0")
+
+
 @pytest.mark.parametrize(
     ("spec", "complaint"),
     [

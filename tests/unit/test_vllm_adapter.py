@@ -365,6 +365,7 @@ def test_pull_prefill_keeps_its_blocks_and_answers_with_their_coordinates() -> N
         "remote_block_ids": [9, 2],
         "remote_num_tokens": 6,
         "tp_size": 2,
+        "pp_size": 1,
         "first_token_id": 4711,  # the token it sampled, which decode is to reproduce
     }
     (send,) = side.build_connector_meta(SimpleNamespace()).send
@@ -437,14 +438,22 @@ def test_sleep_mode_is_refused_at_start_with_the_way_out() -> None:
         refuse_sleep_mode(SimpleNamespace(enable_sleep_mode=True))
 
 
-def test_pipeline_and_prefill_context_parallelism_are_refused_naming_tensor_parallelism() -> None:
+def test_split_requests_refused_where_kvpush_cannot_move_them_naming_what_works() -> None:
+    """Prefill context parallelism on either side and pipeline stages on decode are
+    refused; a pipeline-parallel prefill is served (each stage moves its own layers)."""
     from kvpush.vllm.connector import refuse_split_requests
 
     plain = SimpleNamespace(pipeline_parallel_size=1, prefill_context_parallel_size=1)
-    refuse_split_requests(plain)
-    refuse_split_requests(SimpleNamespace())  # a vLLM without these settings
-    for size in ("pipeline_parallel_size", "prefill_context_parallel_size"):
+    for producer in (True, False):
+        refuse_split_requests(plain, producer)
+        refuse_split_requests(SimpleNamespace(), producer)  # a vLLM without these settings
+    refuse_split_requests(SimpleNamespace(**{**vars(plain), "pipeline_parallel_size": 2}), True)
+    for size, producers in (
+        ("pipeline_parallel_size", (False,)),
+        ("prefill_context_parallel_size", (True, False)),
+    ):
         flag = "--" + size.replace("_", "-") + " 2"
-        with pytest.raises(ValueError, match=flag) as refused:
-            refuse_split_requests(SimpleNamespace(**{**vars(plain), size: 2}))
-        assert "--tensor-parallel-size" in str(refused.value)
+        for producer in producers:
+            with pytest.raises(ValueError, match=flag) as refused:
+                refuse_split_requests(SimpleNamespace(**{**vars(plain), size: 2}), producer)
+            assert "--tensor-parallel-size" in str(refused.value)
