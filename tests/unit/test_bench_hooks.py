@@ -78,7 +78,9 @@ def test_with_the_cpu_clock_on_a_waiting_hook_shows_wall_time_without_cpu_time(
     worker.build_connector_meta(None)
     ledger = worker._kvpush_ledger
     assert set(ledger.cpu) == {"get_transfer_results", "build_connector_meta"}
-    assert ledger.seconds["get_transfer_results"] >= 0.002 > 10 * ledger.cpu["get_transfer_results"]
+    # waiting: its 2 ms asleep cost no CPU; what CPU it shows is the calls around the sleep,
+    # cold on a first call (0.2 ms once on a loaded CI host), never near the wall time
+    assert ledger.seconds["get_transfer_results"] >= 0.002 > 2 * ledger.cpu["get_transfer_results"]
     assert ledger.cpu["build_connector_meta"] >= 0.02
     assert ledger.cpu["build_connector_meta"] <= ledger.seconds["build_connector_meta"] * 1.01
     # the table: wall, CPU and the waiting share per request, decode then prefill
