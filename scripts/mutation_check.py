@@ -60,6 +60,20 @@ MUTATIONS = (
         ("tests/unit/test_planning.py",),
     ),
     Mutation(
+        "state-from-the-last-block-not-the-last-token",  # decode reads the last token's block
+        "kvpush/core/planning.py",
+        "s_at, d_at = last // src.block_tokens - s_first, last // dst.block_tokens - d_first",
+        "s_at, d_at = len(s) - 1, len(d) - 1",
+        ("tests/unit/test_kv_layouts.py",),
+    ),
+    Mutation(
+        "prefill-computes-the-whole-prompt-of-a-state-model",  # decode adds the last twice
+        "kvpush/vllm/scheduler.py",
+        "            if self.states:\n                _without_last_token(request)",
+        "            pass",
+        ("tests/unit/test_vllm_adapter.py",),
+    ),
+    Mutation(
         "window-copied-from-blocks-the-source-freed",  # would copy the null block's bytes
         "kvpush/core/planning.py",
         "if held > start:",

@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVQuantMode,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -113,11 +114,24 @@ def build(
     layers: int = 3,
     packed: bool = False,
     window: int = 0,
+    states: int = 0,
 ) -> Cache:
     """`window`: a hybrid model (vLLM's hybrid KV cache manager), its odd layers attending
-    through a sliding window of that many tokens, each kind a KV cache group of its own."""
+    through a sliding window of that many tokens, each kind a KV cache group of its own.
+    `states`: a hybrid model whose layers keep a state per request (Mamba, linear
+    attention) but every `states`-th, which attends, as Qwen3-Next (`states` 4): a state
+    group per attention layer's count of them, as vLLM groups them (prefix caching's
+    "align" mode: blocks of the attention layers' tokens, each page one size)."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     groups = [KVCacheGroupSpec(names, spec)]
+    if states:
+        full = names[states - 1 :: states]
+        linear = [f"model.layers.{i}.linear_attn" for i in range(layers)
+                  if i % states != states - 1]  # fmt: skip
+        page = spec.page_size_bytes
+        state = state_spec(spec.block_size, page)
+        groups = [KVCacheGroupSpec(linear[g :: states - 1], state) for g in range(states - 1)]
+        groups.append(KVCacheGroupSpec(full, spec))
     if window:
         windowed = SlidingWindowSpec(
             block_size=spec.block_size,
@@ -142,7 +156,9 @@ def build(
         available_memory=1 << 40,
     )
     kernel = kernel_block_size or spec.block_size
-    views = allocate_kv_cache(config, torch.device("cpu"), layout, [kernel] * len(groups))
+    kernels = [kernel if isinstance(g.kv_cache_spec, FullAttentionSpec) or not states
+               else spec.block_size for g in groups]  # fmt: skip
+    views = allocate_kv_cache(config, torch.device("cpu"), layout, kernels)
     facts = kv_cache_facts(
         config,
         model="m",
@@ -152,6 +168,27 @@ def build(
     )
     described, memory = describe_kv_caches(facts, views, layout.name, packed)
     return Cache(config, views, facts, described, memory, spec.block_size // kernel, layout.name)
+
+
+def state_spec(block_size: int, page: int) -> MambaSpec:
+    """A gated-delta-net layer's state (conv then recurrent state) padded to `page`."""
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((3, 96), (2, 16, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=page,
+        mamba_cache_mode="align",
+    )
+
+
+def state_bytes(cache: Cache, name: str, block: int, target: torch.Tensor | None = None) -> Any:
+    """Block `block`'s state of state layer `name`, as the bytes of `target` (default: the
+    cache itself) vLLM's view gives it."""
+    view = cache.views[name]
+    storage = cache.buffer if target is None else target
+    elem = view.element_size()
+    start = (view.storage_offset() + block * view.stride(0)) * elem
+    return storage[start : start + view.shape[3] * elem]
 
 
 def fill(cache: Cache, seed: int | None) -> None:

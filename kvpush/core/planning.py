@@ -65,6 +65,13 @@ class KVLayout:
     group holds it. A request's block list is then one list per group, concatenated, every
     group's of the same length (`group_lists`); block 0, vLLM's null block, stands for a
     block a sliding-window group no longer keeps.
+
+    `state_groups`: the groups whose layers keep one state per request (Mamba, linear
+    attention) instead of a KV cell per token. A block of theirs holds a state of
+    `state_bytes` from the block's first byte (a scheduler block, `sub_blocks` kernel
+    blocks, is one page for every group), and a request's state is the last real block
+    of its list: what moves is that block's state, in each region holding the group's
+    layer, whatever the tokens.
     """
 
     region_bases: tuple[int, ...]
@@ -80,10 +87,14 @@ class KVLayout:
     whole_blocks: bool = False
     groups: int = 1
     layers: tuple[tuple[str, ...], ...] = ()
+    state_groups: tuple[int, ...] = ()
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.region_bases:
             raise PlanError("KV layout has no regions; register at least one KV cache tensor")
+        if self.state_groups:
+            self._check_states()
         if self.layers:
             self._check_layers()
         for name in (
@@ -111,6 +122,21 @@ class KVLayout:
         problem = _overlap(self)
         if problem:
             raise PlanError(f"KV layout cells overlap: {problem}")
+
+    def _check_states(self) -> None:
+        page = self.block_stride * self.sub_blocks
+        if not all(0 <= g < self.groups for g in self.state_groups) or len(
+            set(self.state_groups)
+        ) != len(self.state_groups):
+            raise PlanError(
+                f"KV layout names state groups {self.state_groups} among {self.groups} groups"
+            )
+        if len(self.state_groups) == self.groups:
+            raise PlanError("KV layout keeps states alone; kvpush needs an attention group")
+        if not 0 < self.state_bytes <= page:
+            raise PlanError(
+                f"KV layout keeps states of {self.state_bytes} bytes in blocks of {page}"
+            )
 
     def _check_layers(self) -> None:
         if len(self.layers) != len(self.region_bases):
@@ -447,6 +473,14 @@ def check_mappable(
     a: KVLayout, b: KVLayout, a_tp: int, b_tp: int, a_name: str = "source", b_name: str = "dest"
 ) -> str | None:
     """Why KV laid out as `a` cannot be copied into `b` (None when it can)."""
+    if a.state_groups != b.state_groups or a.state_bytes != b.state_bytes:
+        return (
+            f"{a_name} keeps states of {a.state_bytes} bytes in KV cache groups "
+            f"{list(a.state_groups)}, {b_name} of {b.state_bytes} in {list(b.state_groups)}: "
+            "serve the same model with the same Mamba cache settings on both sides"
+        )
+    if a.state_groups and a_tp != b_tp:
+        return state_tp_problem(a_tp, b_tp)
     if a.groups != b.groups:
         return (
             f"{a_name} keeps {a.groups} KV cache groups, {b_name} {b.groups}: run vLLM's "
@@ -553,6 +587,8 @@ def plan_transfer(
             f"{dst_rank}/{dst_tp}; plan only for pairs from sources()"
         )
     first, end = heads[src_rank]
+    if group is not None and group in src.state_groups:
+        return _state_plan(src, src_blocks, dst, dst_blocks, keep, src_tp, dst_tp)
     if src.whole_blocks and first_token < num_tokens:  # check_mappable: both, same size
         size = src.block_size
         first_token, num_tokens = first_token // size * size, -(-num_tokens // size) * size
@@ -569,6 +605,46 @@ def plan_transfer(
         pattern,
         tuple(src.region_bases[i] for i in keep),
         tuple(dst.region_bases[i] for i in keep),
+    )
+
+
+def _state_plan(
+    src: KVLayout,
+    src_blocks: Sequence[int],
+    dst: KVLayout,
+    dst_blocks: Sequence[int],
+    keep: list[int] | None,
+    src_tp: int,
+    dst_tp: int,
+) -> WritePlan:
+    """The state of one request (the first block of each list, `group_ranges` cut them
+    to it) in every region holding the group's layer: one run from the block's start."""
+    import numpy as np
+
+    if src_tp != dst_tp:
+        raise PlanError(state_tp_problem(src_tp, dst_tp))
+    for side, layout, blocks in (("source", src, src_blocks), ("destination", dst, dst_blocks)):
+        if not len(blocks):
+            raise PlanError(f"the {side} names no block for a state layer group's state")
+        check_block_ids(side, layout, blocks[:1])
+    page_s, page_d = src.block_stride * src.sub_blocks, dst.block_stride * dst.sub_blocks
+    pattern = np.array(
+        [[src_blocks[0] * page_s, dst_blocks[0] * page_d, src.state_bytes]], dtype=np.int64
+    )
+    if keep is None:
+        keep = list(range(src.num_regions))
+    return WritePlan(
+        pattern,
+        tuple(src.region_bases[i] for i in keep),
+        tuple(dst.region_bases[i] for i in keep),
+    )
+
+
+def state_tp_problem(src_tp: int, dst_tp: int) -> str:
+    return (
+        f"the model keeps states (Mamba or linear attention layers), which TP {src_tp} "
+        f"and TP {dst_tp} split differently: serve both sides with the same "
+        "--tensor-parallel-size"
     )
 
 
@@ -649,11 +725,17 @@ def group_ranges(
     s_needed = blocks_needed(src, first_token, num_tokens)
     d_needed = blocks_needed(dst, first_token, num_tokens)
     ranges: list[tuple[int, Sequence[int], Sequence[int]]] = []
-    for s, d in zip(
+    for group, (s, d) in enumerate(zip(
         group_lists("the source", src, src_blocks),
         group_lists("the destination", dst, dst_blocks),
         strict=True,
-    ):
+    )):  # fmt: skip
+        if group in src.state_groups:
+            last = num_tokens - 1
+            s_at, d_at = last // src.block_tokens - s_first, last // dst.block_tokens - d_first
+            s_state = _state_block("the source", s, s_at)
+            ranges.append((last, s_state, _state_block("the destination", d, d_at)))
+            continue
         real = (d_first + leading_nulls("the destination", d[:d_needed])) * dst.block_tokens
         start = min(max(first_token, real), num_tokens)
         held = (s_first + leading_nulls("the source", s[:s_needed])) * src.block_tokens
@@ -665,6 +747,18 @@ def group_ranges(
         cut_s, cut_d = start // src.block_tokens - s_first, start // dst.block_tokens - d_first
         ranges.append((start, s[cut_s:], d[cut_d:]))
     return ranges
+
+
+def _state_block(side: str, block_ids: Sequence[int], index: int) -> Sequence[int]:
+    """A state group's list cut to the block that holds the request's state after its
+    last token: vLLM keeps a request's running state in the block of its last computed
+    token (prefix caching's "align" mode), the blocks before it null or older states."""
+    if not 0 <= index < len(block_ids) or block_ids[index] == NULL_BLOCK:
+        raise PlanError(
+            f"{side} holds no block for the state of a state (Mamba) layer group at its "
+            f"last token (block {index} of {list(block_ids)[:8]})"
+        )
+    return block_ids[index : index + 1]
 
 
 def blocks_needed(layout: KVLayout, first_token: int, num_tokens: int) -> int:

@@ -37,7 +37,7 @@ import msgpack
 
 from kvpush.core.planning import KVLayout, PlanError, check_mappable
 
-PROTOCOL_VERSION = 9  # 9: KV layouts name their layers; pipeline stages
+PROTOCOL_VERSION = 10  # 10: KV layouts with state groups; 9: layers named, pipeline stages
 MAGIC = b"KP"
 GREETING_MAGIC = b"KPHI"
 MAC_SIZE = 32
@@ -213,6 +213,8 @@ _LAYOUT_FIELDS: tuple[Check, ...] = (
     _bool,  # whole_blocks
     _int(1, MAX_KV_GROUPS),  # groups
     _names_per_region,  # layers
+    _ints(MAX_KV_GROUPS, 0, MAX_KV_GROUPS - 1),  # state_groups
+    _int(0, I63_MAX),  # state_bytes
 )
 
 

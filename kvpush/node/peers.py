@@ -401,7 +401,26 @@ def same_shape(a: KVLayout, b: KVLayout) -> bool:
         and a.unit_bytes == b.unit_bytes
         and (a.num_heads == 1 or a.block_size == 1 or a.head_major == b.head_major)
         and [n for _, n in a.block_chunks()] == [n for _, n in b.block_chunks()]
+        and states_in_pieces(a)
+        and states_in_pieces(b)
     )
+
+
+def states_in_pieces(layout: KVLayout) -> bool:
+    """A state (from a block's first byte) lies inside the pieces a block moves as on the
+    prepared path, in every region: true without state groups."""
+    if not layout.state_groups:
+        return True
+    covered = 0
+    for start, length in sorted(
+        (k * layout.block_stride + offset, length)
+        for k in range(layout.sub_blocks)
+        for offset, length in layout.block_chunks()
+    ):
+        if start > covered:
+            break
+        covered = max(covered, start + length)
+    return covered >= layout.state_bytes
 
 
 @dataclass(slots=True)

@@ -78,8 +78,9 @@ class Backends:
         if source == "own" and state.first_token != "own":
             log.warning(
                 "decode %s samples its own first token (speculative decoding loads no "
-                "custom logits processor): streams take their first token from decode "
-                "while it serves",
+                "custom logits processor; a model with state layers computes its prompt's "
+                "last token on decode): streams take their first token from decode while "
+                "it serves",
                 state.url,
             )
         state.first_token = source

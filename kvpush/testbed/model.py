@@ -3,13 +3,18 @@
 The model is a Qwen2-architecture decoder (or, with --arch deepseek_v2, a DeepSeek-V2
 style one with multi-head latent attention, MLA; or, with --arch llama, a Llama one, whose
 layers can alternate sliding-window and full attention with --sliding-window, as gpt-oss
-and Gemma 3 do, or all be windowed with --every-layer-windowed too) with random weights
+and Gemma 3 do, or all be windowed with --every-layer-windowed too; or, with --arch
+qwen3_next, a Qwen3-Next one, whose layers are three gated-delta-net linear-attention
+layers, each keeping one state per request, to every full-attention one) with random weights
 and a byte-level BPE tokenizer trained locally on a synthetic corpus. Its outputs are
 gibberish but
 deterministic at temperature 0, which is what equality tests need. The shape flags let a
 benchmark choose how many KV bytes each token carries:
     qwen2, llama: kv_bytes_per_token = layers * 2 (K and V) * kv_heads * head_dim * dtype_bytes
     deepseek_v2: kv_bytes_per_token = layers * (512 latent + 64 rotary) * dtype_bytes
+    qwen3_next: the full-attention layers' (every fourth) as qwen2's, plus a state per
+    request in each linear-attention layer (its heads: --kv-heads keys, --heads values,
+    of 128 dims, the only size vLLM's CPU kernel runs)
 (MLA's latent width is fixed at DeepSeek's 512 + 64, the only one vLLM's CPU kernel runs;
 --head-dim sets its per-head query/value width, and --kv-heads is not used.)
 """
@@ -23,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-ARCHS = ("qwen2", "llama", "deepseek_v2")
+ARCHS = ("qwen2", "llama", "deepseek_v2", "qwen3_next")
+LINEAR_HEAD_DIM = 128  # qwen3_next: vLLM's CPU gated-delta-net kernel runs this head size
 MLA_LATENT, MLA_ROPE = 512, 64
 
 # Words that make prompts such as "Tell me about the weather" tokenize into few tokens.
@@ -118,6 +124,8 @@ class TinyModelSpec:
     def layer_types(self) -> list[str]:
         """Per layer, as Hugging Face configs say it: windowed layers alternate with full
         (or, `every_layer_windowed`, are all there is)."""
+        if self.arch == "qwen3_next":  # as Qwen3-Next: every fourth layer attends
+            return [("linear_attention", "full_attention")[i % 4 == 3] for i in range(self.layers)]
         if not self.sliding_window:
             return ["full_attention"] * self.layers
         if self.every_layer_windowed:
@@ -128,6 +136,9 @@ class TinyModelSpec:
     def kv_bytes_per_token(self) -> int:
         if self.arch == "deepseek_v2":
             return self.layers * (MLA_LATENT + MLA_ROPE) * DTYPE_BYTES[self.dtype]
+        if self.arch == "qwen3_next":
+            full = self.layer_types.count("full_attention")
+            return full * 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
         return self.layers * 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
@@ -227,6 +238,24 @@ def build_tiny_model(out: Path, spec: TinyModelSpec) -> dict[str, Any]:
             **common, **windows, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim
         )
         model_class = transformers.LlamaForCausalLM
+    elif spec.arch == "qwen3_next":
+        config = transformers.Qwen3NextConfig(
+            **common,
+            num_key_value_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            layer_types=spec.layer_types,
+            linear_num_key_heads=spec.kv_heads,
+            linear_num_value_heads=spec.heads,
+            linear_key_head_dim=LINEAR_HEAD_DIM,
+            linear_value_head_dim=LINEAR_HEAD_DIM,
+            linear_conv_kernel_dim=4,
+            # its MLPs are experts: a few small ones, as the model runs them
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=spec.intermediate_size // 2,
+            shared_expert_intermediate_size=spec.intermediate_size // 2,
+        )
+        model_class = transformers.Qwen3NextForCausalLM
     else:
         config = transformers.Qwen2Config(**common, num_key_value_heads=spec.kv_heads)
         model_class = transformers.Qwen2ForCausalLM

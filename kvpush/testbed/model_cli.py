@@ -19,6 +19,7 @@ examples:
   kvpush model tiny models/mla --arch deepseek_v2   # multi-head latent attention
   kvpush model tiny models/swa --arch llama --layers 4 --sliding-window 32
                                          # sliding-window layers between full ones
+  kvpush model tiny models/gdn --arch qwen3_next --layers 4   # states (linear attention)
   kvpush model tiny models/swo --arch llama --sliding-window 256 --every-layer-windowed
 """
 
@@ -53,7 +54,9 @@ def register(subparsers: Any) -> None:
         default=defaults.arch,
         choices=ARCHS,
         help="qwen2 (grouped-query attention), llama (the same, and it can have "
-        "sliding-window layers) or deepseek_v2 (MLA); default qwen2",
+        "sliding-window layers), deepseek_v2 (MLA) or qwen3_next (three linear-attention "
+        "layers, keeping a state per request, to every full-attention one; bfloat16 on "
+        "vLLM's CPU backend); default qwen2",
     )
     tiny.add_argument(
         "--sliding-window",

@@ -170,6 +170,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
                 group_ids=self.facts.group_ids,
                 block_size=self.facts.block_size,
                 windowed=self.facts.windowed,
+                states=bool(self.facts.state_groups),
             )
         else:
             from vllm.distributed.parallel_state import (
@@ -273,7 +274,10 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         its own way (vLLM's CPU attention), as vLLM reports it."""
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-        backends = get_current_attn_backends(self._vllm_config, list(self.facts.layer_names))
+        facts = self.facts
+        states = {name for g in facts.state_groups for name in facts.group_layers[g]}
+        attention = [name for name in facts.layer_names if name not in states]
+        backends = get_current_attn_backends(self._vllm_config, attention)
         names = {backend.get_name() for backend in backends}
         if len(names) > 1 and names & set(PACKED_BLOCK_BACKENDS):
             raise UnsupportedKVCache(

@@ -4,11 +4,12 @@ vLLM 0.32 allocates one backing buffer and views it as one 4D tensor per layer w
 logical shape [blocks, heads, tokens, content] (content: K and V of one head of one
 token, or MLA's latent vector), in the physical order of the resolved `KVCacheLayout`
 (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC). The facts come from vLLM: the KV cache spec
-of the one transferable cache group (block size, heads, content bytes, dtype, whether TP
-ranks replicate it), the resolved layout, and the views' strides; the views are checked
-against the layout, never interpreted by shape. What kvpush cannot move exactly (several
-cache groups, sliding-window or state caches, per-token quantisation scales, decode
-context parallelism) is refused here, at start, with what is supported.
+of the transferable cache groups (block size, heads, content bytes, dtype, whether TP
+ranks replicate it; a state layer's state bytes), the resolved layout, and the views'
+strides; the views are checked against the layout, never interpreted by shape. What
+kvpush cannot move exactly (cache groups of different shapes, per-token quantisation
+scales, states kept other than in prefix caching's "align" mode, decode context
+parallelism) is refused here, at start, with what is supported.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from kvpush.core.planning import KVLayout, PlanError
 
 SUPPORTED = (
     "kvpush moves the KV cache of decoder models whose layers keep full attention, MLA or a "
-    "sliding window (every vLLM KV cache layout; KV cache dtype auto, bfloat16, float16, "
-    "float32 or fp8 with per-tensor scales)"
+    "sliding window, with or without state (Mamba, linear attention) layers between them "
+    "(every vLLM KV cache layout; KV cache dtype auto, bfloat16, float16, float32 or fp8 "
+    "with per-tensor scales)"
 )
 _PLAIN_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 _FP8_ALIASES = {"fp8": "fp8_e4m3", "fp8_inc": "fp8_e4m3"}
@@ -44,6 +46,10 @@ class KVCacheFacts:
     kv_dtype: str  # what the two sides must agree on, e.g. "bfloat16" or "fp8_e4m3"
     mla: bool
     windowed: bool = False  # a group attends through a sliding window: vLLM drops its blocks
+    # groups (positions in `group_layers`) that keep a state per request (Mamba, linear
+    # attention): one state in one block, not a token's KV per cell
+    state_groups: tuple[int, ...] = ()
+    state_bytes: int = 0  # bytes of one layer's state, from the start of its block
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -72,6 +78,7 @@ def kv_cache_facts(
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVQuantMode,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
@@ -93,9 +100,11 @@ def kv_cache_facts(
                 raise refuse("its layers have different KV cache shapes")
             (spec,) = uniform
         specs.append(spec)
-    for spec in specs:
+    states = [g for g, spec in enumerate(specs) if isinstance(spec, MambaSpec)]
+    attention = [spec for spec in specs if not isinstance(spec, MambaSpec)]
+    for spec in attention:
         if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
-            hybrid = " (in a hybrid model: kvpush moves attention caches only)" * (len(specs) > 1)
+            hybrid = " (in a hybrid model)" * (len(specs) > 1)
             raise refuse(f"its layers keep a {type(spec).__name__} cache{hybrid}")
         if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
             raise refuse(f"KV cache dtype {cache_dtype} keeps scales kvpush does not move")
@@ -103,16 +112,26 @@ def kv_cache_facts(
             raise refuse("its cache stores other than one state per token")
         if spec.num_head_slots is not None and spec.num_head_slots != spec.num_kv_heads:
             raise refuse("its cache packs several KV heads per slot")
+    if states and not attention:
+        raise refuse("every layer keeps a state (Mamba or linear attention) and none "
+                     "attends; kvpush moves states alongside attention layers' KV")  # fmt: skip
+    state_bytes = _state_bytes([specs[g] for g in states], refuse)
     shapes = {
         (s.block_size, s.num_heads, s.state_content_size_bytes, s.dtype, s.max_tp_shards)
-        for s in specs
+        for s in attention
     }
     if len(shapes) != 1:
         raise refuse(
             "its KV cache groups differ in block size, heads or bytes per head: "
             f"{sorted(map(str, shapes))}"
         )
-    spec = specs[0]
+    spec = attention[0]
+    if any(specs[g].block_size != spec.block_size for g in states):
+        raise refuse(
+            "its state (Mamba or linear attention) layers keep one block per request, as "
+            "vLLM does with prefix caching off (mamba cache mode 'none'); kvpush moves "
+            "states with prefix caching on, vLLM's default (mode 'align')"
+        )
     if dcp_size > 1:
         raise refuse(f"decode context parallelism ({dcp_size}) shards tokens across ranks")
     if spec.max_tp_shards is not None:
@@ -133,7 +152,27 @@ def kv_cache_facts(
         kv_dtype=_FP8_ALIASES.get(dtype, dtype),
         mla=isinstance(spec, MLAAttentionSpec),
         windowed=any(isinstance(s, SlidingWindowSpec) for s in specs),
+        state_groups=tuple(states),
+        state_bytes=state_bytes,
     )
+
+
+def _state_bytes(specs: list[Any], refuse: Any) -> int:
+    """The bytes of one layer's state (every state layer's the same), checked for what
+    kvpush can move: one state per request, the same on every rank's share."""
+    if not specs:
+        return 0
+    if len({s.state_content_size_bytes for s in specs}) != 1:
+        raise refuse("its state layers keep states of different sizes")
+    for s in specs:
+        if s.num_speculative_blocks:
+            raise refuse(
+                "speculative decoding keeps extra state blocks per request in its state "
+                "(Mamba or linear attention) layers, which kvpush does not move yet"
+            )
+        if s.tp_replicated:
+            raise refuse("its state layers keep a state every TP rank replicates")
+    return int(specs[0].state_content_size_bytes)
 
 
 # Attention backends whose kernels pack the tokens of each head's block their own way,
@@ -178,9 +217,20 @@ def describe_kv_caches(
                 f"layers of one KV cache group share KV memory ({', '.join(names[:4])}): each "
                 "needs its own"
             )
+    states = {name for g in facts.state_groups for name in facts.group_layers[g]}
+    pages: set[tuple[int, int]] = set()  # state layers: (blocks, bytes from one to the next)
     for name in facts.layer_names:
         view = kv_caches[name]
         elem = view.element_size()
+        if name in states:
+            pages.add(_state_page(name, view, facts.state_bytes))
+            if view.data_ptr() not in bases:
+                bases.append(view.data_ptr())
+            region_layers.setdefault(view.data_ptr(), [""] * len(facts.group_layers))
+            region_layers[view.data_ptr()][group_of[name]] = name
+            storage = view.untyped_storage()
+            memory[storage.data_ptr()] = storage.nbytes()
+            continue
         if view.dim() != 4:
             raise UnsupportedKVCache(
                 f"the KV cache view of {name} has shape {tuple(view.shape)}; vLLM 0.32 "
@@ -226,6 +276,15 @@ def describe_kv_caches(
             f"the KV cache views of the layers differ in blocks or strides: {sorted(geometry)}"
         )
     ((blocks, tokens, block_stride, head_stride, token_stride),) = geometry
+    sub_blocks = facts.block_size // tokens
+    if pages and pages != {(blocks // sub_blocks, block_stride * sub_blocks)}:
+        raise UnsupportedKVCache(
+            f"the state layers keep their blocks as pages {sorted(p for _, p in pages)} bytes "
+            f"apart, the attention layers {block_stride * sub_blocks} in vLLM's resolved KV "
+            f"cache layout {layout_name}: kvpush moves states where every block is one page "
+            "for every KV cache group (a layout that keeps a block's heads together, such "
+            "as LBHNC, which kvpush asks vLLM for)"
+        )
     try:
         layout = KVLayout(
             region_bases=tuple(bases),
@@ -237,11 +296,25 @@ def describe_kv_caches(
             head_stride=head_stride,
             token_stride=token_stride,
             total_heads=facts.total_heads,
-            sub_blocks=facts.block_size // tokens,
+            sub_blocks=sub_blocks,
             whole_blocks=packed,
             groups=len(facts.group_layers),
             layers=tuple(tuple(region_layers[base]) for base in bases),
+            state_groups=facts.state_groups,
+            state_bytes=facts.state_bytes,
         )
     except PlanError as exc:
         raise UnsupportedKVCache(f"the KV cache views of vLLM make no valid layout: {exc}") from exc
     return layout, tuple(sorted(memory.items()))
+
+
+def _state_page(name: str, view: Any, state_bytes: int) -> tuple[int, int]:
+    """A state layer's view (vLLM 0.32: [blocks, 1, 1, state bytes] over the page of each
+    block) as (blocks, bytes from one block to the next), checked against its spec."""
+    elem = view.element_size()
+    if view.dim() != 4 or tuple(view.shape[1:3]) != (1, 1) or view.shape[3] * elem != state_bytes:
+        raise UnsupportedKVCache(
+            f"the state cache view of {name} has shape {tuple(view.shape)}; kvpush expects "
+            f"vLLM 0.32's [blocks, 1, 1, {state_bytes} bytes]"
+        )
+    return int(view.shape[0]), int(view.stride(0) * elem)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _DONE_MARK = "_kvpush_registered"
+_TRUNCATED_MARK = "_kvpush_without_last_token"
 
 log = logging.getLogger("kvpush.scheduler")
 
@@ -62,6 +63,7 @@ class SchedulerSide:
         group_ids: tuple[int, ...] = (0,),
         block_size: int = 16,
         windowed: bool = False,
+        states: bool = False,
     ) -> None:
         self.config = config
         # vLLM's KV cache groups kvpush moves (several with its hybrid KV cache manager),
@@ -70,6 +72,11 @@ class SchedulerSide:
         self.block_size = block_size
         # a group attends through a sliding window: vLLM's null block stands in its lists
         self.windowed = windowed
+        # Some layers keep a state per request (Mamba, linear attention), which cannot
+        # take a token twice: prefill computes the prompt less its last token, and decode
+        # computes that token itself from the state prefill reached (its first output
+        # token is its own; vLLM recomputes a prompt's last token however much arrives).
+        self.states = states
         # the node's hand-off when it runs in this process (vLLM's in-process executor)
         self.local = local
         self.engine_id = engine_id
@@ -104,8 +111,11 @@ class SchedulerSide:
             self.direct = DirectSender.open(engine_id, config.host, ports)
 
     def on_new_request(self, request: Request) -> None:
-        """Decode: a request whose KV comes from prefill arrived (vLLM's add_request)."""
+        """Decode: a request whose KV comes from prefill arrived (vLLM's add_request).
+        Prefill, for a model with state layers: the prompt loses its last token."""
         if self.is_producer:
+            if self.states:
+                _without_last_token(request)
             return
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and params.get("remote_host"):
@@ -120,7 +130,7 @@ class SchedulerSide:
                 return 0, False
             if self._hold(request, str(params.get("transfer_id") or request.request_id)):
                 return None, False  # vLLM: not known yet, ask again next step
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            count = self._remote_tokens(request) - num_computed_tokens
             local = num_computed_tokens > 0 and count <= self.config.local_tail_tokens
             if count <= 0 or local:
                 if count > 0 and _first_token_from_write(request):
@@ -133,6 +143,13 @@ class SchedulerSide:
                 # to a block of 128 tokens on vLLM's CPU backend, comes from prefill.
                 return 0, False
             return count, True
+
+    def _remote_tokens(self, request: Request) -> int:
+        """The prompt tokens whose KV prefill computes for decode: all of them, or with
+        state layers all but the last (`_without_last_token`; a one-token prompt: none,
+        decode computes it)."""
+        tokens = len(request.prompt_token_ids or ())
+        return max(tokens - 1, 0) if self.states else tokens
 
     def _hold(self, request: Request, transfer_id: str) -> bool:
         """Test hook hold_decode: keep the request unallocated for a while."""
@@ -164,7 +181,7 @@ class SchedulerSide:
         # A preempted request allocates again: a new generation fences the old blocks.
         generation = self._generations.get(transfer_id, -1) + 1
         self._generations[transfer_id] = generation
-        first_token = num_tokens = len(request.prompt_token_ids or ())
+        first_token = num_tokens = self._remote_tokens(request)
         first_token -= num_external_tokens
         block_ids = self._blocks_from(request, blocks, first_token)
         remote_ids = params.get("remote_block_ids") or ()
@@ -306,7 +323,8 @@ class SchedulerSide:
             self._aborted.append(AbortSpec(transfer_id, request.request_id))
             return False, None
         outputs = request.output_token_ids
-        sampled = outputs[0] if outputs else NO_TOKEN
+        # a prompt less its last token (state layers) samples no token of the answer
+        sampled = outputs[0] if outputs and not params.get(_TRUNCATED_MARK) else NO_TOKEN
         now = time.monotonic()
         spec = SendSpec(
             transfer_id=transfer_id,
@@ -391,6 +409,21 @@ def _held(request: Request) -> HoldSpec:
         int(params.get("tp_size") or 1),
         int(params.get("pp_size") or 1),
     )
+
+
+def _without_last_token(request: Request) -> None:
+    """Prefill, with state layers: a request for decode computes its prompt less the last
+    token, so its state is the one before that token, which decode then computes."""
+    params = request.kv_transfer_params
+    tokens = request.prompt_token_ids
+    if not params or not params.get("do_remote_decode") or tokens is None or len(tokens) < 2:
+        return
+    if params.get(_TRUNCATED_MARK):  # a preempted request comes back: once is enough
+        return
+    del tokens[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+    params[_TRUNCATED_MARK] = True
 
 
 def _first_token_from_write(request: Request) -> bool:

@@ -160,7 +160,8 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         # server runs with insecure: true). first_token, on decode: "pinned" where it
         # continues from prefill's first token (kvpush's logits processor), "own" where it
         # samples its own, as with speculative decoding, for which vLLM loads no custom
-        # logits processor; the proxy then takes a stream's first token from decode.
+        # logits processor, or a model with state layers, whose prompt's last token decode
+        # computes; the proxy then takes a stream's first token from decode.
         info = gauge(
             name="kvpush:info",
             documentation="kvpush connector identity (always 1): mode, role, auth on/off, "
@@ -177,7 +178,9 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             first = "-"
             if transfer.kv_role == "kv_consumer":
                 drafts = getattr(vllm_config, "speculative_config", None) is not None
-                first = "own" if drafts else "pinned"
+                model = getattr(vllm_config, "model_config", None)
+                states = model is not None and bool(getattr(model, "is_hybrid", False))
+                first = "own" if drafts or states else "pinned"
             for labels in self.per_engine_labelvalues.values():
                 info.labels(*labels, config.mode, role, auth, first).set(1)
 

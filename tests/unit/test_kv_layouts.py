@@ -15,6 +15,7 @@ same views over a CPU buffer.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVQuantMode,
-    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -42,8 +42,9 @@ from kvpush.core.planning import (
     sources,
 )
 from kvpush.node.layout import block_pieces, piece_indices
+from kvpush.node.peers import same_shape
 from kvpush.vllm.layout import UnsupportedKVCache, describe_kv_caches, kv_cache_facts
-from tests.vllm_caches import FP8, Cache, attention, build, fill, mla
+from tests.vllm_caches import FP8, Cache, attention, build, fill, mla, state_bytes, state_spec
 
 LAYOUTS = list(KVCacheLayout)
 NUM_BLOCKS = 6
@@ -232,6 +233,24 @@ def test_tensor_parallel_ranks_get_their_heads_from_the_right_producers(
             assert torch.equal(got, want), (name, rank)
 
 
+def copy_groups(
+    src: Cache, dst: Cache, ranges: list[Any], num_tokens: int, path: str
+) -> None:
+    """Each KV cache group's copy (`group_ranges`), planned, or as the prepared path moves
+    it: the blocks' pieces, paired by index."""
+    for group, (start, s, d) in enumerate(ranges):
+        if path == "planned":
+            copy(plan_transfer(src.layout, s, dst.layout, d, num_tokens, first_token=start,
+                               group=group).descriptors())  # fmt: skip
+            continue
+        n = blocks_needed(src.layout, start, num_tokens)
+        pieces_src, pieces_dst = block_pieces(src.layout), block_pieces(dst.layout)
+        for i, j in zip(piece_indices(src.layout, s[:n]), piece_indices(dst.layout, d[:n]),
+                        strict=True):  # fmt: skip
+            assert pieces_src[i][1] == pieces_dst[j][1]
+            ctypes.memmove(int(pieces_dst[j][0]), int(pieces_src[i][0]), int(pieces_src[i][1]))
+
+
 # A hybrid model's request of 70 tokens, blocks of 16: prefill's block lists per KV cache
 # group (full attention on even layers, a 32-token window on odd ones, which keeps tokens
 # from 39 on: vLLM's null block 0 stands for the two blocks below them).
@@ -275,17 +294,7 @@ def test_hybrid_groups_move_their_own_blocks_and_nothing_else(
         HYBRID_TOKENS,
     )
     assert [start for start, _, _ in ranges] == [first_token, 32]  # the window: its blocks
-    for start, s, d in ranges:
-        if path == "planned":
-            copy(plan_transfer(src.layout, s, dst.layout, d, HYBRID_TOKENS,
-                               first_token=start).descriptors())  # fmt: skip
-            continue
-        n = blocks_needed(src.layout, start, HYBRID_TOKENS)
-        pieces_src, pieces_dst = block_pieces(src.layout), block_pieces(dst.layout)
-        for i, j in zip(piece_indices(src.layout, s[:n]), piece_indices(dst.layout, d[:n]),
-                        strict=True):  # fmt: skip
-            assert pieces_src[i][1] == pieces_dst[j][1]
-            ctypes.memmove(int(pieces_dst[j][0]), int(pieces_src[i][0]), int(pieces_src[i][1]))
+    copy_groups(src, dst, ranges, HYBRID_TOKENS, path)
     touched = torch.zeros_like(dst.buffer)
     groups = src.facts.group_layers
     for names, (start, s, d) in zip(groups, ranges, strict=True):
@@ -360,6 +369,100 @@ def test_a_hybrid_and_a_plain_layout_do_not_pair() -> None:
         plan_transfer(hybrid(KVCacheLayout.LBHNC).layout, [1], plain.layout, [1], 16)
 
 
+# A request of 70 tokens on a model whose layers keep states but every fourth (Qwen3-Next),
+# blocks of 16: the attention group's blocks per position, and each state group's, where
+# vLLM keeps the state after token 70 in the block of its last token (position 4) and has
+# nulled the rest, an older state left at position 3 in one group on prefill.
+STATE_TOKENS = 70
+# layouts that keep a block's heads apart: no block is one page, which states need
+APART = (KVCacheLayout.LHBNC,)
+PREFILL_STATES = ([2, 3, 5, 7, 8], [0, 0, 0, 0, 1], [0, 0, 0, 9, 4], [0, 0, 0, 0, 6])
+DECODE_STATES = ([7, 8, 9, 10, 11], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 3])
+
+
+def states_cache(layout: KVCacheLayout, kernel: int | None = None) -> Cache:
+    return build(attention(2, 64), layout, kernel_block_size=kernel, layers=8, states=4,
+                 num_blocks=12)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+@pytest.mark.parametrize("path", ["prepared", "planned"])
+def test_state_groups_move_the_state_of_the_last_token_and_attention_its_tokens(
+    layout: KVCacheLayout, path: str
+) -> None:
+    """Each state group's state after the request's last token lands in the block decode
+    keeps for that token's position, in every layer of the group, through vLLM's views of
+    them; the attention layers' tokens land as ever; nothing else of decode's cache changes
+    (the prepared path moves whole pages of the request's blocks, the planned one the
+    state's bytes alone)."""
+    if layout in APART:
+        with pytest.raises(UnsupportedKVCache, match=f"layout {layout.name}: kvpush moves states"):
+            states_cache(layout)
+        return
+    src, dst = states_cache(layout), states_cache(layout)
+    assert (src.layout.groups, src.layout.state_groups) == (4, (0, 1, 2))
+    if path == "prepared" and not same_shape(src.layout, dst.layout):
+        pytest.skip(f"{layout.name}: the prepared path is not taken (regions of some groups)")
+    fill(src, 7)
+    fill(dst, 9)
+    before = dst.buffer.clone()
+    # vLLM's group order: the three state groups, then the attention one
+    prefill = [*PREFILL_STATES[1:], PREFILL_STATES[0]]
+    decode = [*DECODE_STATES[1:], DECODE_STATES[0]]
+    ranges = group_ranges(src.layout, [b for ids in prefill for b in ids], dst.layout,
+                          [b for ids in decode for b in ids], 0, STATE_TOKENS)  # fmt: skip
+    assert [(start, list(s), list(d)) for start, s, d in ranges[:3]] == [
+        (69, [1], [1]), (69, [4], [2]), (69, [6], [3])
+    ]
+    copy_groups(src, dst, ranges, STATE_TOKENS, path)
+    touched = torch.zeros_like(dst.buffer)
+    groups = src.facts.group_layers
+    for names, (_, s, d) in zip(groups[:3], ranges[:3], strict=True):
+        for name in names:
+            assert torch.equal(state_bytes(dst, name, d[0]), state_bytes(src, name, s[0])), name
+            state_bytes(dst, name, d[0], touched).fill_(1)
+    for name in groups[3]:
+        got = dst.tokens(name, DECODE_STATES[0], STATE_TOKENS, slice(None))
+        assert torch.equal(got, src.tokens(name, PREFILL_STATES[0], STATE_TOKENS, slice(None)))
+        for block in DECODE_STATES[0]:
+            dst.block_bytes(name, block, touched).fill_(1)
+    if path == "prepared":  # whole pages of the state blocks, in every region
+        for block in (1, 2, 3):
+            for name in groups[3]:
+                dst.block_bytes(name, block, touched).fill_(1)
+    untouched = touched == 0
+    assert torch.equal(dst.buffer[untouched], before[untouched])
+
+
+def test_a_state_is_taken_from_the_block_of_the_last_token_or_refused() -> None:
+    """80 tokens move (5 blocks of 16) and decode computes token 81 in a sixth block: the
+    state goes to the block of the last token moved, which decode reads first, not to its
+    last block. A source without a block there has no state to give."""
+    lay = states_cache(KVCacheLayout.LBHNC).layout
+    prefill = [[0, 0, 0, 0, 1], [0, 0, 0, 9, 4], [0, 0, 0, 0, 6], [2, 3, 5, 7, 8]]
+    decode = [[0, 0, 0, 0, 1, 5], [0, 0, 0, 0, 2, 6], [0, 0, 0, 0, 3, 10], [7, 8, 9, 11, 4, 0]]
+    flat = [b for ids in decode for b in ids]
+    ranges = group_ranges(lay, [b for ids in prefill for b in ids], lay, flat, 0, 80)
+    assert [(list(s), list(d)) for _, s, d in ranges[:3]] == [([1], [1]), ([4], [2]), ([6], [3])]
+    prefill[1][4] = 0
+    with pytest.raises(PlanError, match="holds no block for the state"):
+        group_ranges(lay, [b for ids in prefill for b in ids], lay, flat, 0, 80)
+
+
+def test_states_move_only_between_equal_tp_sizes_and_equal_states() -> None:
+    def rank_cache(tp: int) -> Cache:
+        return build(attention(2 // tp, 64), KVCacheLayout.LBHNC, layers=8, states=4,
+                     num_blocks=12, tp_size=tp, model_kv_heads=2)  # fmt: skip
+
+    one, two = rank_cache(1), rank_cache(2)
+    with pytest.raises(PlanError, match="same --tensor-parallel-size"):
+        plan_transfer(one.layout, [1], two.layout, [1], STATE_TOKENS, src_tp=1, dst_tp=2,
+                      group=0)  # fmt: skip
+    plain = build(attention(2, 64), KVCacheLayout.LBHNC, layers=2, num_blocks=12)
+    with pytest.raises(PlanError, match="Mamba cache settings"):
+        plan_transfer(one.layout, [1], plain.layout, [1], 16)
+
+
 def test_kv_dtypes_are_named_for_the_handshake() -> None:
     assert build(attention(2, 64), KVCacheLayout.LBHNC).facts.kv_dtype == "bfloat16"
     fp8 = build(attention(2, 64, dtype=FP8), KVCacheLayout.LBHNC, cache_dtype="fp8")
@@ -375,6 +478,7 @@ def refused(groups: list[KVCacheGroupSpec], **kwargs: Any) -> str:
         kv_cache_facts(config, **args)
     message = str(failure.value)
     assert "org/model" in message and "full attention, MLA or a sliding window" in message
+    assert "state (Mamba, linear attention) layers" in message
     return message
 
 
@@ -392,8 +496,19 @@ def test_what_kvpush_cannot_move_exactly_is_refused_at_start() -> None:
         block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, sliding_window=128
     )
     assert "differ in block size, heads" in refused([full, KVCacheGroupSpec(["b"], wider)])
-    state = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,))
-    assert "attention caches only" in refused([full, KVCacheGroupSpec(["m"], state)])
+    page = attention(2, 64).page_size_bytes
+    states = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["m"], state_spec(16, page)), full])  # fmt: skip
+    facts = kv_cache_facts(states, model="org/model", tp_size=1, model_kv_heads=2,
+                           cache_dtype="auto")  # fmt: skip
+    assert (facts.state_groups, facts.state_bytes, facts.num_heads) == ((0,), 2624, 2)
+    one_per_request = state_spec(4096, page)  # prefix caching off: vLLM's mode "none"
+    assert "prefix caching on" in refused([full, KVCacheGroupSpec(["m"], one_per_request)])
+    drafts = dataclasses.replace(state_spec(16, page), num_speculative_blocks=2)
+    assert "speculative decoding" in refused([full, KVCacheGroupSpec(["m"], drafts)])
+    shared = dataclasses.replace(state_spec(16, page), tp_replicated=True)
+    assert "replicates" in refused([full, KVCacheGroupSpec(["m"], shared)])
+    assert "none attends" in refused([KVCacheGroupSpec(["m"], state_spec(16, page))])
     only_windows = KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
                                  kv_cache_groups=[KVCacheGroupSpec(["b"], window)])  # fmt: skip
     facts = kv_cache_facts(only_windows, model="org/model", tp_size=1, model_kv_heads=2,

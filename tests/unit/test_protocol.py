@@ -540,7 +540,8 @@ def test_a_pipeline_stage_hello_names_its_stage_and_its_regions_layers() -> None
         decode(encode(hello(pp_rank=2, pp_size=2)))
     values = encode_fields(sent)
     layout_at = [f.name for f in dataclasses.fields(Hello)].index("layout")
-    values[layout_at][-1] = [["", ""], ["model.layers.3.attn", ""]]  # a region of no layer
+    layers_at = [f.name for f in dataclasses.fields(KVLayout)].index("layers")
+    values[layout_at][layers_at] = [["", ""], ["model.layers.3.attn", ""]]  # a region of none
     with pytest.raises(ProtocolError, match="one per KV cache group"):
         decode(payload_frame(values, type_code=1))
     done = WriteDone("t-1", 0, 1, 2, True, "", pp_rank=1)

@@ -12,6 +12,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvpush.core.protocol import MISROUTED_PARAM as MISROUTED
+from kvpush.core.protocol import NO_TOKEN
 from kvpush.node.config import KvpushConfig
 from kvpush.node.specs import AbortSpec, HoldSpec, RecvSpec
 from kvpush.vllm.scheduler import SchedulerSide
@@ -457,3 +458,51 @@ def test_split_requests_refused_where_kvpush_cannot_move_them_naming_what_works(
             with pytest.raises(ValueError, match=flag) as refused:
                 refuse_split_requests(SimpleNamespace(**{**vars(plain), size: 2}), producer)
             assert "--tensor-parallel-size" in str(refused.value)
+
+
+def vllm_request(tokens: int, params: dict[str, Any]) -> Any:
+    """vLLM's own Request, as its front end builds it (kv_transfer_params in extra_args)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    return Request("r-1", list(range(100, 100 + tokens)), sampling, None)
+
+
+def test_a_state_model_prefill_computes_its_prompt_less_the_last_token_once() -> None:
+    """Layers keeping a state (Mamba, linear attention) cannot take a token twice, and vLLM
+    recomputes a prompt's last token on decode however much KV arrives: prefill leaves it
+    out, so the state it sends is the one decode continues from. Its sampled token is then
+    no token of the answer, and none goes to decode."""
+    from vllm.v1.request import RequestStatus
+
+    side = SchedulerSide(KvpushConfig(), "prefill-0", is_producer=True, states=True)
+    req = vllm_request(10, {"do_remote_decode": True, "transfer_id": "t1"})
+    side.on_new_request(req)
+    assert (len(req.prompt_token_ids), req.num_prompt_tokens, req.num_tokens) == (9, 9, 9)
+    side.on_new_request(req)  # back after a preemption: not cut again
+    assert req.num_prompt_tokens == 9
+    req.append_output_token_ids(7)
+    req.num_computed_tokens = 9
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    side.request_finished(req, [3])
+    (send,) = side.build_connector_meta(SimpleNamespace()).send
+    assert (send.num_tokens, send.sampled) == (9, NO_TOKEN)
+    for kept in (vllm_request(1, {"do_remote_decode": True}), vllm_request(10, {})):
+        side.on_new_request(kept)  # one token, or not for decode: the whole prompt
+        assert kept.num_prompt_tokens == len(kept.prompt_token_ids)
+    plain = SchedulerSide(KvpushConfig(), "prefill-0", is_producer=True)
+    whole = vllm_request(10, {"do_remote_decode": True})
+    plain.on_new_request(whole)
+    assert whole.num_prompt_tokens == 10
+
+
+def test_a_state_model_decode_takes_all_but_the_last_token_and_computes_that() -> None:
+    side = SchedulerSide(KvpushConfig(), "decode-0", is_producer=False, states=True)
+    req = FakeRequest("d", list(range(10)), decode_params())
+    assert side.get_num_new_matched_tokens(req, 0) == (9, True)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, vllm_blocks(), 9)  # type: ignore[arg-type]
+    (spec,) = side.build_connector_meta(SimpleNamespace()).recv
+    assert (spec.first_token, spec.num_tokens) == (0, 9)
+    one = FakeRequest("d1", [5], decode_params())
+    assert side.get_num_new_matched_tokens(one, 0) == (0, False)  # type: ignore[arg-type]
