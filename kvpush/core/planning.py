@@ -473,14 +473,14 @@ def check_mappable(
     a: KVLayout, b: KVLayout, a_tp: int, b_tp: int, a_name: str = "source", b_name: str = "dest"
 ) -> str | None:
     """Why KV laid out as `a` cannot be copied into `b` (None when it can)."""
+    if (a.state_groups or b.state_groups) and a_tp != b_tp:  # each rank's state differs
+        return state_tp_problem(a_tp, b_tp)
     if a.state_groups != b.state_groups or a.state_bytes != b.state_bytes:
         return (
             f"{a_name} keeps states of {a.state_bytes} bytes in KV cache groups "
             f"{list(a.state_groups)}, {b_name} of {b.state_bytes} in {list(b.state_groups)}: "
             "serve the same model with the same Mamba cache settings on both sides"
         )
-    if a.state_groups and a_tp != b_tp:
-        return state_tp_problem(a_tp, b_tp)
     if a.groups != b.groups:
         return (
             f"{a_name} keeps {a.groups} KV cache groups, {b_name} {b.groups}: run vLLM's "

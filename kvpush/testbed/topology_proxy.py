@@ -91,6 +91,7 @@ async def warm_up(url: str, model: str, attempts: int = 3, timeout: float = 30.0
             try:
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     if resp.status == 200:
+                        await resp.read()  # the whole answer: leaving early counts client_gone
                         return None
                     error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
             except (aiohttp.ClientError, TimeoutError) as exc:

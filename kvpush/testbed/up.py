@@ -372,7 +372,8 @@ async def _serve(topology: Topology, args: argparse.Namespace) -> int:
         print(f"  warm-up {i + 1}/{args.warmup}: {error or 'ok'}", flush=True)
     source = proxy.config.first_token
     if source == "prefill" and not proxy.backends.prefill_may_give_first_token():
-        source = "decode (its decode samples its own: speculative decoding)"
+        source = ("decode (its decode samples its own: speculative decoding, or a model "
+                  "with state layers)")
     print(f"  a streamed answer's first token comes from {source}", flush=True)
     print(f"proxy ({mode}) ready: {url}", flush=True)
     print(
