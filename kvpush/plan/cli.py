@@ -375,8 +375,14 @@ def render_plan(plan: Plan) -> str:
         if shape.window and shape.window_layers
         else ""
     )
+    if shape.state_layers:
+        window += (f"; {shape.state_layers} state layers keep {_bytes(shape.state_bytes)} "
+                   "per request")  # fmt: skip
     lines = [
-        f"model        {shape.layers} layers x {per_layer}, {shape.dtype} "
+        f"model        {shape.layers} attention layers x {per_layer}, {shape.dtype} "
+        f"({shape.dtype_bytes} B){window}"
+        if shape.state_layers
+        else f"model        {shape.layers} layers x {per_layer}, {shape.dtype} "
         f"({shape.dtype_bytes} B){window}",
         f"KV/token     {plan.kv_bytes_per_token / KIB:.1f} KiB ({plan.kv_bytes_per_token:,} B)",
         f"KV/request   {_bytes(plan.kv_bytes_per_request)} ({i.input_len:,} prompt tokens)",

@@ -82,6 +82,8 @@ class ModelShape:
 
     `mla`: one latent vector of `head_dim` per layer and token (`kv_heads` is 1), not a K
     and a V per head. `window_layers` of the `layers` keep only the last `window` tokens.
+    `layers` counts attention layers: a hybrid model's state layers (Mamba, linear
+    attention) keep `state_bytes` per request between them, whatever its length.
     """
 
     layers: int
@@ -91,6 +93,8 @@ class ModelShape:
     mla: bool = False
     window: int | None = None
     window_layers: int = 0
+    state_layers: int = 0
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_positive_int("--layers", self.layers, "pass the model's num_hidden_layers")
@@ -124,10 +128,11 @@ class ModelShape:
         return 1 if self.mla else min(tp, self.kv_heads)
 
     def kv_bytes(self, tokens: int) -> int:
-        """KV bytes of a `tokens`-long prompt: sliding-window layers hold their window."""
+        """KV bytes of a `tokens`-long prompt: sliding-window layers hold their window,
+        state layers their states."""
         full = (self.layers - self.window_layers) * tokens
         windowed = self.window_layers * min(tokens, self.window or tokens)
-        return (full + windowed) * self.layer_bytes_per_token
+        return (full + windowed) * self.layer_bytes_per_token + self.state_bytes
 
 
 @dataclass(frozen=True, slots=True)

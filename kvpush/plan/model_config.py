@@ -59,14 +59,19 @@ def facts_of(config: Any, kv_dtype: str | None = None) -> ModelFacts:
         window_layers = (
             sum(1 for t in types if "sliding" in str(t)) if isinstance(types, list) else layers
         )
+    attention, state_layers, state_bytes = layers, 0, 0
+    if getattr(config, "is_hybrid", False):
+        attention, state_layers, state_bytes = _states(config, layers)
     shape = ModelShape(
-        layers=layers,
+        layers=attention,
         kv_heads=1 if mla else config.get_total_num_kv_heads(),
         head_dim=head_size,
         dtype=dtype,
         mla=mla,
         window=window or None,
         window_layers=window_layers,
+        state_layers=state_layers,
+        state_bytes=state_bytes,
     )
     flops = None
     intermediate = getattr(text, "intermediate_size", None)
@@ -80,3 +85,26 @@ def facts_of(config: Any, kv_dtype: str | None = None) -> ModelFacts:
             head_dim=head_size,
         )
     return ModelFacts(shape, flops)
+
+
+def _states(config: Any, layers: int) -> tuple[int, int, int]:
+    """A hybrid model's attention layers, state layers and one request's state bytes (all
+    its state layers, TP 1), as vLLM's model class sizes them."""
+    import math
+
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.model_executor.models import ModelRegistry
+
+    attention = config.get_num_layers_by_block_type(ParallelConfig(), "attention")
+    try:
+        model_class: Any  # a hybrid model's class sizes its states (vLLM's IsHybrid)
+        model_class, _ = ModelRegistry.resolve_model_cls(config.architectures, model_config=config)
+        vllm_config = VllmConfig(model_config=config)
+        shapes = model_class.get_mamba_state_shape_from_config(vllm_config)
+        dtypes = model_class.get_mamba_state_dtype_from_config(vllm_config)
+    except Exception as exc:  # vLLM's own errors for a config it cannot size
+        raise PlannerError(f"vLLM could not size the state layers of {config.model}: {exc}; "
+                           f"{_FIX}") from None  # fmt: skip
+    pairs = zip(shapes, dtypes, strict=True)
+    per_layer = sum(math.prod(shape) * dtype.itemsize for shape, dtype in pairs)
+    return attention, layers - attention, (layers - attention) * per_layer

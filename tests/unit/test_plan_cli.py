@@ -54,6 +54,8 @@ def test_plan_reads_a_model_through_vllm_and_flags_override_it(
         "mla": False,
         "window": None,
         "window_layers": 0,
+        "state_layers": 0,
+        "state_bytes": 0,
     }
 
 

@@ -151,6 +151,23 @@ def test_sliding_window_layers_hold_only_their_window() -> None:
     assert shape.kv_bytes(16_000) == 4096 * per_token
 
 
+def test_a_model_with_state_layers_counts_its_attention_layers_and_each_requests_states(
+    tmp_path: Path,
+) -> None:
+    """A Qwen3-Next pattern (three gated-delta-net layers to one attending): KV per token
+    comes from the attention layer alone, and each request adds its states, as vLLM's model
+    class sizes them (per layer: a conv state of 3 x 1,024 in bfloat16 and a recurrent one
+    of 4 heads x 128 x 128, float32 on vLLM's CPU backend)."""
+    from kvpush.testbed.model import TinyModelSpec, ensure_tiny_model
+
+    spec = TinyModelSpec(arch="qwen3_next", layers=4, heads=4, kv_heads=2, head_dim=64)
+    shape = read_model(ensure_tiny_model(tmp_path / "gdn", spec)).shape
+    per_state = 3 * 1024 * 2 + 4 * 128 * 128 * 4
+    assert (shape.layers, shape.state_layers, shape.state_bytes) == (1, 3, 3 * per_state)
+    assert shape.kv_bytes_per_token == 2 * 2 * 64 * 2  # the attention layer's K and V
+    assert shape.kv_bytes(1000) == 1000 * 512 + 3 * per_state
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
