@@ -69,9 +69,9 @@ class KVLayout:
     `state_groups`: the groups whose layers keep one state per request (Mamba, linear
     attention) instead of a KV cell per token. A block of theirs holds a state of
     `state_bytes` from the block's first byte (a scheduler block, `sub_blocks` kernel
-    blocks, is one page for every group), and a request's state is the last real block
-    of its list: what moves is that block's state, in each region holding the group's
-    layer, whatever the tokens.
+    blocks, is one page for every group), and a request's state after its last token is
+    in the block of that token's position: what moves is that block's state, in each
+    region holding the group's layer, whatever the other tokens.
     """
 
     region_bases: tuple[int, ...]
