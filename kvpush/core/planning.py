@@ -588,7 +588,7 @@ def plan_transfer(
         )
     first, end = heads[src_rank]
     if group is not None and group in src.state_groups:
-        return _state_plan(src, src_blocks, dst, dst_blocks, keep, src_tp, dst_tp)
+        return _state_plan(src, src_blocks, dst, dst_blocks, keep)
     if src.whole_blocks and first_token < num_tokens:  # check_mappable: both, same size
         size = src.block_size
         first_token, num_tokens = first_token // size * size, -(-num_tokens // size) * size
@@ -614,15 +614,12 @@ def _state_plan(
     dst: KVLayout,
     dst_blocks: Sequence[int],
     keep: list[int] | None,
-    src_tp: int,
-    dst_tp: int,
 ) -> WritePlan:
     """The state of one request (the first block of each list, `group_ranges` cut them
-    to it) in every region holding the group's layer: one run from the block's start."""
+    to it) in every region holding the group's layer: one run from the block's start
+    (`check_mappable` refused sides of different TP sizes already)."""
     import numpy as np
 
-    if src_tp != dst_tp:
-        raise PlanError(state_tp_problem(src_tp, dst_tp))
     for side, layout, blocks in (("source", src, src_blocks), ("destination", dst, dst_blocks)):
         if not len(blocks):
             raise PlanError(f"the {side} names no block for a state layer group's state")
