@@ -30,11 +30,17 @@ the same arithmetic in another order, and on a random model some answers part fr
 single server's a few tokens in (checked: 3 of 8 prompts), with vLLM's connector exactly
 as with kvpush's. Against vLLM's connector, which splits the prompt the same way, every
 answer is equal, and a stream too, since both take its first token from decode.
+
+Each deployment costs the run two servers' start-up (the suite's largest item), so by
+default the 8-KV-head model and the sliding-window one, which carry the long-prompt, window
+and fault checks, run in both modes and every other shape in one, the two modes taking
+turns (`SHAPE_MODES`); KVPUSH_SHAPES=all runs every shape in both modes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 import urllib.error
@@ -98,11 +104,29 @@ WINDOWED_SHAPE, WINDOWED_TOKENS = "swa-hybrid", 1_000
 WINDOWED_BYTES = {"swa-hybrid": (2 * 8 + 2 * 3) * 128 * 512, "swa-only": 4 * 3 * 128 * 512}
 MODE_PORTS = {"kvpush-push": (BASE_PORT + 40, KV_PORT + 40),
               "kvpush-pull": (BASE_PORT + 50, KV_PORT + 50)}  # fmt: skip
+BOTH = tuple(sorted(MODE_PORTS))
+# the modes each shape runs in by default (module doc); KVPUSH_SHAPES=all: every shape in both
+SHAPE_MODES = {
+    "mqa-1x128": ("kvpush-pull",),
+    "gqa-8x128": BOTH,
+    "mla": ("kvpush-push",),
+    "swa-hybrid": BOTH,
+    "gdn-hybrid": ("kvpush-push",),
+    "swa-only": ("kvpush-pull",),
+}
+
+
+def modes(shape: str) -> tuple[str, ...]:
+    """The kvpush modes `shape` runs in this session (module doc)."""
+    wanted = os.environ.get("KVPUSH_SHAPES", "")
+    if wanted not in ("", "all"):
+        raise pytest.UsageError(f"KVPUSH_SHAPES={wanted!r}: only 'all' (or unset) is known")
+    return BOTH if wanted == "all" else SHAPE_MODES[shape]
 
 
 @dataclass
 class Run:
-    """One shape's model, its reference answers and both kvpush deployments."""
+    """One shape's model, its reference answers and its kvpush deployments (by mode)."""
 
     shape: str
     model: Path
@@ -110,6 +134,12 @@ class Run:
     deployments: dict[str, Deployment]
     started_s: float
     work: Path  # each deployment's workdir is work / its setup
+
+    def deployment(self, setup: str) -> Deployment:
+        """The shape's deployment in `setup`; a mode the shape skips by default is skipped."""
+        if setup not in self.deployments:
+            pytest.skip(f"{self.shape} runs {setup} with KVPUSH_SHAPES=all")
+        return self.deployments[setup]
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES), ids=str)
@@ -123,12 +153,14 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     deployments = {
         setup: launch(setup, model, work / setup, port=port, kv_port=kv, env=env)
         for setup, (port, kv) in MODE_PORTS.items()
+        if setup in modes(shape)
     }
     try:
         reference = vllm_answers(shape, model, work)
         for deployment in deployments.values():
             wait_ready(deployment)
-        reference = reference or own_answers(model, deployments["kvpush-push"].prefill)
+        own = next(iter(deployments.values())).prefill
+        reference = reference or own_answers(model, own)
         yield Run(shape, model, reference, deployments, time.monotonic() - started, work)
     finally:
         for deployment in deployments.values():
@@ -167,7 +199,7 @@ def own_answers(model: Path, server: str) -> dict[str, str]:
 def test_answers_equal_a_single_server_and_every_prompt_token_came_by_transfer(
     run: Run, setup: str
 ) -> None:
-    deployment = run.deployments[setup]
+    deployment = run.deployment(setup)
     for prompt in PROMPTS:
         before = deployment.external_tokens()
         answer = post(deployment.proxy + "/v1/completions", completion(run.model, prompt))
@@ -197,7 +229,7 @@ def test_answers_equal_a_single_server_and_every_prompt_token_came_by_transfer(
         paths = {p: scrape.total(prefill, "kvpush:handoffs_total", path=p) for p in HANDOFF_PATHS}
         # of the warm-up, len(PROMPTS) answers and the stream, all but two
         assert paths["direct"] >= len(PROMPTS), paths
-    print(f"\n{setup}: ready {run.started_s:.0f} s after launch (both deployments)")
+    print(f"\n{setup}: ready {run.started_s:.0f} s after launch (its deployments together)")
 
 
 @pytest.mark.parametrize("setup", sorted(MODE_PORTS))
@@ -210,7 +242,7 @@ def test_a_long_prompt_moves_whole_and_answers_as_a_single_server(run: Run, setu
     rng = random.Random(LONG_TOKENS)
     prompt = [rng.randrange(16, 1000) for _ in range(LONG_TOKENS)]
     body = {**completion(run.model, ""), "prompt": prompt}
-    deployment = run.deployments[setup]
+    deployment = run.deployment(setup)
     reference = post(deployment.prefill + "/v1/completions", {**body, "cache_salt": setup})
     before = deployment.external_tokens()
     started = time.monotonic()
@@ -233,7 +265,7 @@ def test_a_sliding_window_model_moves_only_the_window_of_its_windowed_layers(
     stands for those below it on both sides), and the answer still equals prefill's own."""
     if run.shape not in WINDOWED_BYTES:
         pytest.skip(f"the windowed layers are {', '.join(WINDOWED_BYTES)}'s")
-    deployment = run.deployments[setup]
+    deployment = run.deployment(setup)
     logs = server_logs(run.work / setup)
     if run.shape == WINDOWED_SHAPE:
         assert "in 2 KV cache groups" in logs, "vLLM's hybrid KV cache manager stayed off"
@@ -279,7 +311,7 @@ def test_a_failed_transfer_of_a_hybrid_model_fails_its_request_and_frees_its_blo
     decode's and prefill's blocks go back, and the next request is answered."""
     if run.shape != WINDOWED_SHAPE:
         pytest.skip(f"the KV cache groups are {WINDOWED_SHAPE}'s")
-    deployment = run.deployments[setup]
+    deployment = run.deployment(setup)
     request = urllib.request.Request(
         deployment.proxy + "/v1/completions",
         data=json.dumps(completion(run.model, PROMPTS[2])).encode(),
