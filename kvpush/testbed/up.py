@@ -177,7 +177,11 @@ def register(subparsers: Any) -> None:
         "kv_load_failure_policy): fail it (vLLM's default) or recompute its prompt itself, "
         "a slower answer instead of an error; kvpush still counts the failure",
     )
-    parser.add_argument("--workdir", type=Path, default=Path(".kvpush"))
+    parser.add_argument(
+        "--workdir", type=Path, default=Path(".kvpush"),
+        help="the servers' logs (WORKDIR/logs) and vLLM's cache (WORKDIR/vllm-cache, unless "
+        "VLLM_CACHE_ROOT is set) (default: .kvpush)",
+    )  # fmt: skip
     parser.add_argument("--startup-timeout", type=positive(), default=600.0)
     parser.add_argument("--request-timeout", type=positive(), default=300.0)
     parser.add_argument("--no-pin", dest="pin", action="store_false", help=NO_PIN_HELP)

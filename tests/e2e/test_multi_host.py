@@ -61,7 +61,7 @@ from kvpush.proxy.rewrite import Backend, format_backend
 from kvpush.testbed import hosts as netns
 from kvpush.testbed import ipc, scrape
 from kvpush.testbed.pinning import OWN_GROUP
-from kvpush.testbed.topology import http_ok, log_tail
+from kvpush.testbed.topology import http_ok, log_tail, vllm_cache_root
 from kvpush.testbed.topology_proxy import warm_up
 from tests.e2e.conftest import (
     BASE_PORT,
@@ -172,7 +172,7 @@ def server_env(core: int, workdir: Path) -> dict[str, str]:
         "DO_NOT_TRACK": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
-        "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+        "VLLM_CACHE_ROOT": vllm_cache_root(workdir),
         "PYTHONUNBUFFERED": "1",
     }
 

@@ -252,8 +252,9 @@ async def test_the_proxy_in_front_of_a_topology_has_its_mode_and_servers(tmp_pat
 
 
 def test_every_benchmark_pair_is_eager_with_logs_per_label_and_one_compile_cache(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     (tmp_path / "config.json").write_text("{}")
     pair = PairSettings(tmp_path, workdir=tmp_path / "w", port=9000, extra_env={"X": "1"})
     config = pair.topology("kvpush-push", "sweep", timed_hooks=True)
@@ -266,3 +267,15 @@ def test_every_benchmark_pair_is_eager_with_logs_per_label_and_one_compile_cache
     assert config.workdir == tmp_path / "w" / "sweep" / "kvpush-push"
     cache = str((tmp_path / "w" / "vllm-cache").resolve())
     assert config.extra_env == {"VLLM_CACHE_ROOT": cache, "X": "1"}
+    # the operator's own cache root, where set, is every deployment's
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "shared"))
+    config = pair.topology("kvpush-pull", "sweep")
+    assert config.extra_env == {"VLLM_CACHE_ROOT": str(tmp_path / "shared"), "X": "1"}
+    up = TopologyConfig(model=tmp_path, setup="kvpush-push", workdir=tmp_path / "up")
+    assert {s.env["VLLM_CACHE_ROOT"] for s in build_specs(up, cores=[0, 1])} == {
+        str(tmp_path / "shared")
+    }
+    monkeypatch.delenv("VLLM_CACHE_ROOT")
+    assert {s.env["VLLM_CACHE_ROOT"] for s in build_specs(up, cores=[0, 1])} == {
+        str((tmp_path / "up" / "vllm-cache").resolve())
+    }
