@@ -5,11 +5,10 @@ style one with multi-head latent attention, MLA; or, with --arch llama, a Llama 
 layers can alternate sliding-window and full attention with --sliding-window, as gpt-oss
 and Gemma 3 do, or all be windowed with --every-layer-windowed too; or, with --arch
 qwen3_next, a Qwen3-Next one, whose layers are three gated-delta-net linear-attention
-layers, each keeping one state per request, to every full-attention one) with random weights
-and a byte-level BPE tokenizer trained locally on a synthetic corpus. Its outputs are
-gibberish but
-deterministic at temperature 0, which is what equality tests need. The shape flags let a
-benchmark choose how many KV bytes each token carries:
+layers, each keeping one state per request, to every full-attention one) with random
+weights and a byte-level BPE tokenizer trained locally on a synthetic corpus. Its outputs
+are gibberish but deterministic at temperature 0, which is what equality tests need. The
+shape flags let a benchmark choose how many KV bytes each token carries:
     qwen2, llama: kv_bytes_per_token = layers * 2 (K and V) * kv_heads * head_dim * dtype_bytes
     deepseek_v2: kv_bytes_per_token = layers * (512 latent + 64 rotary) * dtype_bytes
     qwen3_next: the full-attention layers' (every fourth) as qwen2's, plus a state per
